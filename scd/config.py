@@ -1,0 +1,250 @@
+"""Typed configuration loaded from TOML.
+
+Every section is a msgspec struct that forbids unknown fields, so a typo is an
+error naming its key rather than a silently ignored setting.  Cross-field rules
+live in ``validate`` and name the key they reject.  Relative paths resolve
+against the directory of the config file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import tomllib
+from pathlib import Path
+from typing import Literal
+
+import msgspec
+import orjson
+
+from scd.errors import ConfigError
+
+
+class _Section(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    pass
+
+
+class RunConfig(_Section):
+    seed: int = 0
+    max_steps: int = 300
+    output_dir: str = "runs/default"
+
+
+class RayConfig(_Section):
+    address: str = ""
+    num_cpus: int = 3
+
+
+class DataPlaneConfig(_Section):
+    enabled: bool = True
+    impl: Literal["transfer_queue"] = "transfer_queue"
+    backend: Literal["simple"] = "simple"
+    checkpointing_enabled: bool = True
+    storage_units: int = 1
+    partition: str = "rollouts"
+    call_timeout_s: float = 60.0
+    ray: RayConfig = msgspec.field(default_factory=RayConfig)
+
+
+class ModelConfig(_Section):
+    # "tiny" builds scd's own small transformer; anything else is a model path for vLLM.
+    name: str = "tiny"
+    d_model: int = 64
+    n_layers: int = 2
+    n_heads: int = 4
+    max_len: int = 64
+
+
+class GenerationConfig(_Section):
+    backend: Literal["torch", "vllm"] = "torch"
+    group_size: int = 8
+    max_new_tokens: int = 16
+    temperature: float = 1.0
+    max_inflight_prompts: int = 8
+    # Groups the torch backend samples in one batched forward pass.
+    batch_groups: int = 4
+    gpu_memory_utilization: float = 0.5
+
+
+class TrainerConfig(_Section):
+    lr: float = 1e-3
+    groups_per_step: int = 16
+    clip_eps: float = 0.2
+    weight_decay: float = 0.0
+    max_grad_norm: float = 1.0
+    entropy_coef: float = 0.0
+    advantage_eps: float = 1e-4
+    torch_threads: int = 1
+
+
+class TaskConfig(_Section):
+    name: Literal["reverse", "sort", "jsonl"] = "reverse"
+    seed: int = 0
+    size: int = 256
+    min_digits: int = 4
+    max_digits: int = 4
+    path: str = ""
+
+
+class SamplerConfig(_Section):
+    # A built-in name, or "module:Class" for a custom scd.samplers.Sampler subclass.
+    name: str = "windowed"
+    max_staleness_versions: int = 1
+
+
+class AsyncRLConfig(_Section):
+    # Ready groups plus prompts in flight may not exceed this.
+    buffer_capacity_groups: int = 64
+    sampler: SamplerConfig = msgspec.field(default_factory=SamplerConfig)
+
+
+class CheckpointingConfig(_Section):
+    enabled: bool = False
+    dir: str = "checkpoints"
+    interval_s: float = 300.0
+    keep_last: int = 2
+    max_consecutive_failures: int = 3
+
+
+class TelemetryConfig(_Section):
+    metrics_host: str = "127.0.0.1"
+    metrics_port: int = 9464
+    events_path: str = "events.jsonl"
+    telemetry_interval_s: float = 0.0
+
+
+class Config(_Section):
+    run: RunConfig = msgspec.field(default_factory=RunConfig)
+    data_plane: DataPlaneConfig = msgspec.field(default_factory=DataPlaneConfig)
+    model: ModelConfig = msgspec.field(default_factory=ModelConfig)
+    generation: GenerationConfig = msgspec.field(default_factory=GenerationConfig)
+    trainer: TrainerConfig = msgspec.field(default_factory=TrainerConfig)
+    task: TaskConfig = msgspec.field(default_factory=TaskConfig)
+    async_rl: AsyncRLConfig = msgspec.field(default_factory=AsyncRLConfig)
+    checkpointing: CheckpointingConfig = msgspec.field(default_factory=CheckpointingConfig)
+    telemetry: TelemetryConfig = msgspec.field(default_factory=TelemetryConfig)
+
+    def fingerprint_fields(self) -> dict[str, object]:
+        """The settings that change what a stored rollout means (DESIGN §4)."""
+        return {
+            "model": msgspec.to_builtins(self.model),
+            "task": msgspec.to_builtins(self.task),
+            "generation.backend": self.generation.backend,
+            "generation.group_size": self.generation.group_size,
+            "generation.max_new_tokens": self.generation.max_new_tokens,
+            "generation.temperature": self.generation.temperature,
+            "async_rl.sampler": msgspec.to_builtins(self.async_rl.sampler),
+            "data_plane.partition": self.data_plane.partition,
+        }
+
+    def fingerprint(self) -> str:
+        blob = orjson.dumps(self.fingerprint_fields(), option=orjson.OPT_SORT_KEYS)
+        return hashlib.sha256(blob).hexdigest()
+
+
+# msgspec reports the failing location as "$.section.key"; turn it into a dotted key.
+_PATH_IN_MESSAGE = re.compile(r"`\$\.([^`]+)`")
+_UNKNOWN_FIELD = re.compile(r"unknown field `([^`]+)`")
+
+
+def _key_of(message: str) -> str:
+    path = _PATH_IN_MESSAGE.search(message)
+    prefix = path.group(1) if path else ""
+    unknown = _UNKNOWN_FIELD.search(message)
+    if unknown:
+        return f"{prefix}.{unknown.group(1)}" if prefix else unknown.group(1)
+    return prefix or "<root>"
+
+
+def parse_config(data: dict[str, object], base_dir: Path) -> Config:
+    """Build a validated ``Config`` from parsed TOML; paths resolve against ``base_dir``."""
+    try:
+        config = msgspec.convert(data, Config, strict=True)
+    except msgspec.ValidationError as exc:
+        raise ConfigError(_key_of(str(exc)), str(exc)) from None
+    _resolve_paths(config, base_dir)
+    validate(config)
+    return config
+
+
+def load_config(path: str | Path) -> Config:
+    path = Path(path)
+    try:
+        data = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError("<file>", f"config file {path} does not exist") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError("<file>", f"{path} is not valid TOML: {exc}") from None
+    return parse_config(data, path.resolve().parent)
+
+
+def _resolve(base_dir: Path, value: str) -> str:
+    return str(base_dir / value) if value and not Path(value).is_absolute() else value
+
+
+def _resolve_paths(config: Config, base_dir: Path) -> None:
+    config.run.output_dir = _resolve(base_dir, config.run.output_dir)
+    config.task.path = _resolve(base_dir, config.task.path)
+    # Checkpoints and events default to living under the run's output directory.
+    out = Path(config.run.output_dir)
+    config.checkpointing.dir = _resolve(out, config.checkpointing.dir)
+    config.telemetry.events_path = _resolve(out, config.telemetry.events_path)
+
+
+def _require(ok: bool, key: str, message: str) -> None:
+    if not ok:
+        raise ConfigError(key, message)
+
+
+def validate(config: Config) -> None:
+    """Cross-field rules; each failure names the key an operator has to change."""
+    run, dp, gen, tr = config.run, config.data_plane, config.generation, config.trainer
+    task, sampler, ckpt, tel = config.task, config.async_rl.sampler, config.checkpointing, config.telemetry
+    _require(run.max_steps >= 1, "run.max_steps", f"must be >= 1, got {run.max_steps}")
+    _require(dp.enabled, "data_plane.enabled", "scd keeps rollouts in TransferQueue; it cannot be disabled")
+    _require(dp.storage_units >= 1, "data_plane.storage_units", f"must be >= 1, got {dp.storage_units}")
+    _require(dp.call_timeout_s > 0, "data_plane.call_timeout_s", "must be > 0")
+    _require(bool(dp.partition) and "/" not in dp.partition, "data_plane.partition",
+             "must be a non-empty name without '/'")
+    if not dp.ray.address:
+        needed = 1 + dp.storage_units
+        _require(dp.ray.num_cpus >= needed, "data_plane.ray.num_cpus",
+                 f"TransferQueue's controller and {dp.storage_units} storage unit(s) each need one "
+                 f"logical Ray CPU: set it to at least {needed}, got {dp.ray.num_cpus}")
+    _require(gen.group_size >= 2, "generation.group_size",
+             f"GRPO needs at least 2 completions per prompt, got {gen.group_size}")
+    _require(gen.max_new_tokens >= 1, "generation.max_new_tokens", "must be >= 1")
+    _require(gen.temperature > 0, "generation.temperature", f"must be > 0, got {gen.temperature}")
+    _require(gen.max_inflight_prompts >= 1, "generation.max_inflight_prompts", "must be >= 1")
+    _require(gen.batch_groups >= 1, "generation.batch_groups", "must be >= 1")
+    _require(tr.lr > 0, "trainer.lr", f"must be > 0, got {tr.lr}")
+    _require(tr.groups_per_step >= 1, "trainer.groups_per_step", "must be >= 1")
+    _require(0 < tr.clip_eps < 1, "trainer.clip_eps", f"must be in (0, 1), got {tr.clip_eps}")
+    _require(tr.torch_threads >= 1, "trainer.torch_threads", "must be >= 1")
+    _require(sampler.name in ("windowed", "weight_fifo", "in_order") or ":" in sampler.name,
+             "async_rl.sampler.name",
+             f"must be windowed, weight_fifo, in_order or module:Class, got {sampler.name!r}")
+    _require(sampler.max_staleness_versions >= 0, "async_rl.sampler.max_staleness_versions",
+             f"must be >= 0, got {sampler.max_staleness_versions}")
+    _require(config.async_rl.buffer_capacity_groups >= tr.groups_per_step,
+             "async_rl.buffer_capacity_groups",
+             f"must hold at least one train step ({tr.groups_per_step} groups), "
+             f"got {config.async_rl.buffer_capacity_groups}")
+    _require(task.size >= 1, "task.size", "must be >= 1")
+    _require(1 <= task.min_digits <= task.max_digits, "task.min_digits",
+             f"need 1 <= min_digits <= max_digits, got {task.min_digits}..{task.max_digits}")
+    if task.name == "jsonl":
+        _require(bool(task.path), "task.path", "task.name = 'jsonl' needs a path to a JSONL file")
+        _require(Path(task.path).is_file(), "task.path", f"{task.path} is not a file")
+    _require(config.model.d_model % config.model.n_heads == 0, "model.n_heads",
+             f"must divide model.d_model ({config.model.d_model})")
+    _require(config.model.max_len >= 2 * task.max_digits + 2, "model.max_len",
+             f"too short for prompts of {task.max_digits} digits and their answers")
+    _require(ckpt.keep_last >= 2, "checkpointing.keep_last", f"must be >= 2, got {ckpt.keep_last}")
+    _require(ckpt.interval_s > 0, "checkpointing.interval_s", "must be > 0")
+    _require(ckpt.max_consecutive_failures >= 1, "checkpointing.max_consecutive_failures", "must be >= 1")
+    if ckpt.enabled:
+        _require(dp.checkpointing_enabled, "data_plane.checkpointing_enabled",
+                 "checkpointing.enabled = true needs TransferQueue's native snapshot")
+    _require(0 <= tel.metrics_port <= 65535, "telemetry.metrics_port", "must be a port number (0 = any)")
+    _require(tel.telemetry_interval_s >= 0, "telemetry.telemetry_interval_s", "must be >= 0 (0 = off)")

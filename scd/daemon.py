@@ -1,0 +1,357 @@
+"""The controller and its one task group: where scd's concurrency lives.
+
+Tasks (each named for what it does):
+
+* ``rollout_pump``   admits prompts (capacity, sampler gate) and hands them to generation
+* ``generation_pump`` batches admitted prompts into backend calls; finished groups go to the committer
+* ``committer``      puts a group's rows into TQ and records it in the replay index
+* ``train_pump``     (the host task) selects groups, trains, syncs weights, consumes
+* ``http``           /metrics and /healthz
+* ``watchdog``       WATCHDOG=1 to systemd while the loop is responsive
+* ``loop_probe``     measures event-loop stalls
+
+Shutdown is a trigger passed in.  When it fires the rollout pump stops
+admitting and the train pump stops at its next step boundary; if that takes
+longer than the drain deadline, the train pump's cancel scope is cancelled.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import anyio
+import torch
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+
+from scd import systemd
+from scd.barrier import CheckpointBarrier, MutationKind
+from scd.config import Config
+from scd.dataloader import DataloaderState, PromptOrder
+from scd.dataplane import DataPlane, unpack_rows
+from scd.errors import InvariantViolation
+from scd.generation import build_backend
+from scd.generation.base import GenerationBackend, GroupRequest, GroupResult
+from scd.ledger import DropReason, PromptLedger, PromptState
+from scd.replay import GroupMeta, ReplayIndex, sample_ids_for
+from scd.samplers import Sampler, build_sampler
+from scd.tasks import Prompt, build_task
+from scd.telemetry import metrics
+from scd.telemetry.events import EventLog
+from scd.telemetry.http import serve_http
+from scd.training.grpo import GRPOTrainer
+
+log = logging.getLogger(__name__)
+
+DRAIN_DEADLINE_S = 30.0
+
+
+@dataclass(slots=True)
+class ControllerStatistics:
+    trainer_step: int
+    weight_version: int
+    epoch: int
+    replay_groups: int
+    replay_rows: int
+    in_flight: int
+    committed_groups: int
+    evicted_stale: int
+    ledger: dict[str, int]
+
+
+class Controller:
+    def __init__(self, config: Config, dataplane: DataPlane, backend: GenerationBackend) -> None:
+        self.config = config
+        self.dataplane = dataplane
+        self.backend = backend
+        self.prompts: list[Prompt] = build_task(config.task)
+        self.trainer = GRPOTrainer(config)
+        self.sampler: Sampler = build_sampler(config)
+        self.ledger = PromptLedger()
+        self.replay = ReplayIndex()
+        self.order = PromptOrder(len(self.prompts), DataloaderState(seed=config.task.seed))
+        self.barrier = CheckpointBarrier()
+        self.events = EventLog(Path(config.telemetry.events_path))
+        self.trainer_step = 0
+        self.weight_version = 0
+        self.committed_groups = 0
+        self.evicted_stale = 0
+        self.metrics_port: int | None = None
+        self._in_flight = 0
+        self._draining = False
+        self._changed = anyio.Event()
+        self._generated_tokens_seen = 0
+
+    @classmethod
+    @asynccontextmanager
+    async def open(cls, config: Config) -> AsyncIterator[Controller]:
+        """Ray + TQ, the generation backend, the trainer; torn down in reverse order."""
+        torch.set_num_threads(config.trainer.torch_threads)
+        Path(config.run.output_dir).mkdir(parents=True, exist_ok=True)
+        Path(config.telemetry.events_path).parent.mkdir(parents=True, exist_ok=True)
+        async with DataPlane.open(config.data_plane) as dataplane:
+            backend = build_backend(config)
+            try:
+                controller = cls(config, dataplane, backend)
+                await backend.update_weights(controller.trainer.weights(), controller.weight_version)
+                yield controller
+            finally:
+                with anyio.CancelScope(shield=True):
+                    await backend.aclose()
+
+    # ---- observation -------------------------------------------------------------------------
+
+    def statistics(self) -> ControllerStatistics:
+        return ControllerStatistics(
+            trainer_step=self.trainer_step, weight_version=self.weight_version,
+            epoch=self.order.state.epoch, replay_groups=len(self.replay), replay_rows=self.replay.rows,
+            in_flight=self._in_flight, committed_groups=self.committed_groups,
+            evicted_stale=self.evicted_stale, ledger=self.ledger.counts(),
+        )
+
+    def _notify(self) -> None:
+        """Wake every task waiting for capacity or ready groups."""
+        self._changed.set()
+        self._changed = anyio.Event()
+
+    def _publish_gauges(self) -> None:
+        metrics.trainer_step.set(self.trainer_step)
+        metrics.weight_version.set(self.weight_version)
+        metrics.replay_groups.set(len(self.replay))
+        metrics.replay_rows.set(self.replay.rows)
+        for state, n in self.ledger.counts().items():
+            metrics.ledger_prompts.labels(state).set(n)
+        tokens = self.backend.generated_tokens()
+        metrics.generation_tokens.inc(tokens - self._generated_tokens_seen)
+        self._generated_tokens_seen = tokens
+
+    # ---- mutations: each one holds the checkpoint barrier shared ---------------------------------
+
+    async def admit(self) -> GroupRequest:
+        """Advance the dataloader cursor and record the prompt in flight, as one mutation."""
+        async with self.barrier.mutation(MutationKind.ADMIT):
+            epoch, prompt_id = self.order.take()
+            group_id = self.ledger.admit(epoch, prompt_id)
+            target_step = self.sampler.on_dispatch()
+            self._in_flight += 1
+        return GroupRequest(group_id, epoch, self.prompts[prompt_id], self.config.generation.group_size,
+                            target_step, time.time())
+
+    async def commit(self, result: GroupResult) -> None:
+        """Put a finished group's rows into TQ and index it; validates before it writes.
+
+        If the put fails the rows it may have written are cleared again (keys are
+        deterministic, so this is exact) and the error propagates.
+        """
+        req = result.request
+        sample_ids = sample_ids_for(req.group_id, len(result.rollouts))
+        async with self.barrier.mutation(MutationKind.COMMIT):
+            state = self.ledger.state_of(req.group_id)
+            if state is not PromptState.IN_FLIGHT:
+                raise InvariantViolation(f"commit of group {req.group_id} whose ledger state is {state}")
+            try:
+                await self.dataplane.put_rows(sample_ids, result.rollouts)
+            except BaseException:
+                with anyio.CancelScope(shield=True):
+                    await self.dataplane.clear(sample_ids)
+                raise
+            group = GroupMeta(
+                group_id=req.group_id, epoch=req.epoch, prompt_id=req.prompt.prompt_id,
+                sample_ids=sample_ids, start_weight_version=result.start_weight_version,
+                end_weight_version=result.end_weight_version,
+                seq_lens=tuple(len(r.input_ids) for r in result.rollouts),
+                fields=("input_ids", "logprobs", "prompt_len", "reward", "weight_version"),
+                rewards=tuple(r.reward for r in result.rollouts), target_step=req.target_step,
+                admitted_at=req.admitted_at, committed_at=time.time(),
+            )
+            self.replay.add(group)
+            self.ledger.advance(req.group_id, PromptState.READY)
+            self._in_flight -= 1
+        self.committed_groups += 1
+        metrics.committed_groups.inc()
+        metrics.committed_tokens.inc(sum(len(r.logprobs) for r in result.rollouts))
+        metrics.group_completion_latency.observe(group.committed_at - req.admitted_at)
+        self._notify()
+
+    async def _remove_groups(self, kind: MutationKind, groups: Sequence[GroupMeta], state: PromptState,
+                             reason: str = "") -> None:
+        """Take groups out of the index, clear their TQ rows, and move their prompts to ``state``."""
+        async with self.barrier.mutation(kind):
+            for group in groups:
+                if group.group_id not in self.replay:
+                    raise InvariantViolation(f"{kind} of group {group.group_id} that is not in the replay index")
+            await self.dataplane.clear([sid for g in groups for sid in g.sample_ids])
+            for group in groups:
+                self.replay.remove(group.group_id)
+                self.ledger.advance(group.group_id, state, reason)
+        self._notify()
+
+    async def consume(self, groups: Sequence[GroupMeta]) -> None:
+        await self._remove_groups(MutationKind.CONSUME, groups, PromptState.CONSUMED)
+
+    async def evict_stale(self) -> int:
+        stale = [g for g in self.replay.groups() if self.sampler.is_stale(g, self.weight_version)]
+        if stale:
+            await self._remove_groups(MutationKind.EVICT, stale, PromptState.DROPPED, DropReason.STALE)
+            self.evicted_stale += len(stale)
+            metrics.groups_evicted_stale.inc(len(stale))
+        return len(stale)
+
+    # ---- pumps -------------------------------------------------------------------------------
+
+    def _has_capacity(self) -> bool:
+        return (
+            self._in_flight < self.config.generation.max_inflight_prompts
+            and self._in_flight + len(self.replay) < self.config.async_rl.buffer_capacity_groups
+            and self.sampler.may_dispatch(self.trainer_step)
+        )
+
+    async def wait_for_capacity(self) -> None:
+        while not self._has_capacity() and not self._draining:
+            await self._changed.wait()
+
+    async def rollout_pump(self, to_generation: MemoryObjectSendStream[GroupRequest]) -> None:
+        async with to_generation:
+            while True:
+                await self.wait_for_capacity()
+                if self._draining:
+                    return
+                await to_generation.send(await self.admit())
+
+    async def generation_pump(
+        self, requests: MemoryObjectReceiveStream[GroupRequest], to_commit: MemoryObjectSendStream[GroupResult]
+    ) -> None:
+        limiter = anyio.CapacityLimiter(self.backend.max_concurrent_batches)
+
+        async def run_batch(batch: list[GroupRequest]) -> None:
+            async with limiter:
+                started = time.time()
+                for req in batch:
+                    metrics.group_admission_latency.observe(started - req.admitted_at)
+                for result in await self.backend.generate(batch):
+                    await to_commit.send(result)
+
+        async with requests, to_commit, anyio.create_task_group() as tg:
+            async for first in requests:
+                batch = [first]
+                while len(batch) < self.backend.batch_groups:
+                    try:
+                        batch.append(requests.receive_nowait())
+                    except anyio.WouldBlock:
+                        break
+                # Hold the batch until a backend slot frees, so later prompts can join the next one.
+                await limiter.acquire()
+                limiter.release()
+                tg.start_soon(run_batch, batch, name="generate_batch")
+
+    async def committer(self, results: MemoryObjectReceiveStream[GroupResult]) -> None:
+        async with results:
+            async for result in results:
+                await self.commit(result)
+
+    async def wait_for_batch(self, stop: anyio.Event) -> list[GroupMeta]:
+        """Evict stale groups, then wait until the sampler hands out a full step (or ``stop``)."""
+        while not stop.is_set():
+            await self.evict_stale()
+            batch = self.sampler.select(self.replay.groups(), self.weight_version, self.trainer_step)
+            if batch:
+                return batch
+            await self._changed.wait()
+        return []
+
+    async def train_step(self, batch: list[GroupMeta]) -> None:
+        data = await self.dataplane.get_rows([sid for g in batch for sid in g.sample_ids])
+        rows = unpack_rows(data)
+        groups, at = [], 0
+        for group in batch:
+            n = len(group.sample_ids)
+            got = [len(r.input_ids) for r in rows[at:at + n]]
+            if tuple(got) != group.seq_lens:
+                raise InvariantViolation(f"rows read for group {group.group_id} have lengths {got}, "
+                                         f"index says {list(group.seq_lens)}")
+            groups.append(rows[at:at + n])
+            at += n
+        result = await anyio.to_thread.run_sync(self.trainer.step, groups)
+        staleness = self.weight_version - min(g.start_weight_version for g in batch)
+        self.trainer_step += 1
+        self.weight_version += 1
+        await self.backend.update_weights(self.trainer.weights(), self.weight_version)
+        await self.consume(batch)
+        self.ledger.prune_finished_epochs(self.order.state.epoch)
+        metrics.train_reward_mean.set(result.reward_mean)
+        metrics.train_staleness.set(staleness)
+        self._publish_gauges()
+        log.info("step %d version %d reward %.3f loss %.4f committed %d staleness %d replay %d",
+                 self.trainer_step, self.weight_version, result.reward_mean, result.loss,
+                 self.committed_groups, staleness, len(self.replay))
+        await self.events.emit(
+            "train_step", self.trainer_step, epoch=self.order.state.epoch, weight_version=self.weight_version,
+            reward_mean=result.reward_mean, loss=result.loss, staleness=staleness,
+            prompt_ids=[[g.epoch, g.prompt_id] for g in batch],
+        )
+
+    async def train_pump(self, max_steps: int, stop: anyio.Event) -> None:
+        """Train until ``max_steps`` or ``stop``; always returns at a step boundary."""
+        while self.trainer_step < max_steps and not stop.is_set():
+            batch = await self.wait_for_batch(stop)
+            if batch:
+                await self.train_step(batch)
+
+    # ---- the task group ----------------------------------------------------------------------
+
+    async def run(self, shutdown: anyio.Event, max_steps: int | None = None,
+                  drain_deadline_s: float = DRAIN_DEADLINE_S) -> None:
+        """Run every pump until ``max_steps`` trainer steps are done or ``shutdown`` fires."""
+        max_steps = max_steps if max_steps is not None else self.config.run.max_steps
+        telemetry = self.config.telemetry
+        stop = anyio.Event()
+        to_generation, generation_in = anyio.create_memory_object_stream[GroupRequest](
+            self.config.generation.max_inflight_prompts)
+        to_commit, commit_in = anyio.create_memory_object_stream[GroupResult](math.inf)
+        async with anyio.create_task_group() as tg:
+            self.metrics_port = await tg.start(
+                serve_http, telemetry.metrics_host, telemetry.metrics_port, lambda: True, name="http")
+            tg.start_soon(self.rollout_pump, to_generation, name="rollout_pump")
+            tg.start_soon(self.generation_pump, generation_in, to_commit, name="generation_pump")
+            tg.start_soon(self.committer, commit_in, name="committer")
+            tg.start_soon(self.watchdog, name="watchdog")
+            tg.start_soon(self.loop_probe, name="loop_probe")
+            train_scope = anyio.CancelScope()
+            tg.start_soon(self.drain_on, shutdown, stop, train_scope, drain_deadline_s, name="drain")
+            systemd.notify("READY=1")
+            self._publish_gauges()
+            with train_scope:
+                await self.train_pump(max_steps, stop)
+            systemd.notify("STOPPING=1")
+            tg.cancel_scope.cancel()
+
+    async def drain_on(self, shutdown: anyio.Event, stop: anyio.Event, train_scope: anyio.CancelScope,
+                       deadline_s: float) -> None:
+        await shutdown.wait()
+        log.info("shutdown requested: draining (deadline %.0fs)", deadline_s)
+        systemd.notify("STOPPING=1")
+        self._draining = True
+        stop.set()
+        self._notify()
+        await anyio.sleep(deadline_s)
+        log.warning("drain deadline passed: stopping the train pump mid-step")
+        train_scope.cancel()
+
+    async def watchdog(self) -> None:
+        interval = systemd.watchdog_interval_s()
+        if interval is None:
+            return
+        while True:
+            systemd.notify("WATCHDOG=1")
+            await anyio.sleep(interval)
+
+    async def loop_probe(self, period_s: float = 0.05) -> None:
+        while True:
+            before = time.monotonic()
+            await anyio.sleep(period_s)
+            metrics.loop_stall.observe(max(0.0, time.monotonic() - before - period_s))

@@ -1,0 +1,36 @@
+"""Error types and the process exit code each maps to (DESIGN §8)."""
+
+from __future__ import annotations
+
+EXIT_OK = 0
+EXIT_OTHER = 1
+EXIT_CONFIG = 2
+EXIT_INVARIANT = 3
+
+
+class ScdError(Exception):
+    """Base of scd's own errors; ``exit_code`` is what the CLI exits with."""
+
+    exit_code = EXIT_OTHER
+
+
+class ConfigError(ScdError):
+    """A bad config file or command line, naming the offending key."""
+
+    exit_code = EXIT_CONFIG
+
+    def __init__(self, key: str, message: str) -> None:
+        super().__init__(f"config key '{key}': {message}")
+        self.key = key
+
+
+class InvariantViolation(ScdError):
+    """A broken controller invariant; the daemon stops rather than continue wrong."""
+
+    exit_code = EXIT_INVARIANT
+
+
+class DataPlaneError(ScdError):
+    """TransferQueue failed, timed out, or returned other rows than asked for."""
+
+    exit_code = EXIT_OTHER

@@ -1,0 +1,92 @@
+"""The embedded default: batched sampling from scd's tiny transformer, in one worker thread."""
+
+from __future__ import annotations
+
+import threading
+from collections import defaultdict
+from collections.abc import Sequence
+
+import anyio
+import torch
+import torch.nn.functional as F
+
+from scd.config import Config
+from scd.dataplane import Rollout
+from scd.generation.base import GroupRequest, GroupResult
+from scd.tasks import VOCAB_SIZE, reward
+from scd.training.policy import TinyCausalLM
+
+
+class TorchBackend:
+    max_concurrent_batches = 1
+
+    def __init__(self, config: Config) -> None:
+        self.batch_groups = config.generation.batch_groups
+        self._temperature = config.generation.temperature
+        self._max_new_tokens = config.generation.max_new_tokens
+        self._model = TinyCausalLM(config.model, VOCAB_SIZE).eval()
+        self._rng = torch.Generator().manual_seed(config.run.seed + 1)
+        self._version = 0
+        self._tokens = 0
+        self._tokens_lock = threading.Lock()
+        # Sampling and weight loads take turns on the one model.
+        self._limiter = anyio.CapacityLimiter(1)
+
+    async def generate(self, requests: Sequence[GroupRequest]) -> list[GroupResult]:
+        return await anyio.to_thread.run_sync(self._generate_blocking, requests, limiter=self._limiter)
+
+    async def update_weights(self, weights: dict[str, torch.Tensor], version: int) -> None:
+        def load() -> None:
+            self._model.load_state_dict(weights)
+            self._version = version
+
+        await anyio.to_thread.run_sync(load, limiter=self._limiter)
+
+    def generated_tokens(self) -> int:
+        with self._tokens_lock:
+            return self._tokens
+
+    async def aclose(self) -> None:
+        return None
+
+    @torch.no_grad()
+    def _generate_blocking(self, requests: Sequence[GroupRequest]) -> list[GroupResult]:
+        version = self._version
+        # Groups whose prompt and answer lengths match share one batched forward pass.
+        by_shape: dict[tuple[int, int], list[GroupRequest]] = defaultdict(list)
+        for req in requests:
+            length = min(len(req.prompt.answer), self._max_new_tokens)
+            by_shape[(len(req.prompt.prompt_tokens()), length)].append(req)
+        results: dict[str, GroupResult] = {}
+        for (_, new_tokens), reqs in by_shape.items():
+            prompts = torch.tensor(
+                [req.prompt.prompt_tokens() for req in reqs for _ in range(req.group_size)], dtype=torch.int64
+            )
+            tokens, logprobs = self._sample(prompts, new_tokens)
+            row = 0
+            for req in reqs:
+                answer = req.prompt.answer_tokens()
+                rollouts = []
+                for _ in range(req.group_size):
+                    completion = tokens[row, prompts.shape[1]:]
+                    rollouts.append(Rollout(
+                        input_ids=tokens[row].clone(), logprobs=logprobs[row].clone(),
+                        prompt_len=prompts.shape[1], reward=reward(completion.tolist(), answer),
+                        weight_version=version,
+                    ))
+                    row += 1
+                results[req.group_id] = GroupResult(req, rollouts)
+            with self._tokens_lock:
+                self._tokens += new_tokens * prompts.shape[0]
+        return [results[req.group_id] for req in requests]
+
+    def _sample(self, prompts: torch.Tensor, new_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        tokens = prompts
+        logprobs = []
+        for _ in range(new_tokens):
+            logits = self._model(tokens)[:, -1] / self._temperature
+            logp = F.log_softmax(logits, dim=-1)
+            nxt = torch.multinomial(logp.exp(), 1, generator=self._rng)
+            logprobs.append(logp.gather(-1, nxt))
+            tokens = torch.cat([tokens, nxt], dim=1)
+        return tokens, torch.cat(logprobs, dim=1)

@@ -1,0 +1,119 @@
+"""The prompt ledger: every admitted prompt, tracked to a terminal state.
+
+States move only forward: in_flight -> ready -> consumed, or any
+non-terminal state -> dropped (with a reason).  A prompt is admitted at most
+once per epoch; admitting it again is an invariant violation, never a silent
+discard.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import Counter
+from dataclasses import dataclass
+
+from scd.errors import InvariantViolation
+
+
+class PromptState(enum.StrEnum):
+    IN_FLIGHT = "in_flight"
+    READY = "ready"
+    CONSUMED = "consumed"
+    DROPPED = "dropped"
+
+
+class DropReason(enum.StrEnum):
+    STALE = "stale"
+    GENERATION_FAILED = "generation_failed"
+
+
+_NEXT: dict[PromptState, frozenset[PromptState]] = {
+    PromptState.IN_FLIGHT: frozenset({PromptState.READY, PromptState.DROPPED}),
+    PromptState.READY: frozenset({PromptState.CONSUMED, PromptState.DROPPED}),
+    PromptState.CONSUMED: frozenset(),
+    PromptState.DROPPED: frozenset(),
+}
+
+
+def group_id_for(epoch: int, prompt_id: int) -> str:
+    return f"e{epoch}-p{prompt_id}"
+
+
+@dataclass(slots=True)
+class LedgerEntry:
+    epoch: int
+    prompt_id: int
+    state: PromptState
+    reason: str = ""
+
+
+class PromptLedger:
+    def __init__(self) -> None:
+        self._entries: dict[str, LedgerEntry] = {}
+        # Terminal entries of finished epochs are folded into these counts.
+        self._pruned: Counter[PromptState] = Counter()
+
+    def admit(self, epoch: int, prompt_id: int) -> str:
+        """Record a new in-flight prompt; exactly-once per epoch is enforced here."""
+        group_id = group_id_for(epoch, prompt_id)
+        if group_id in self._entries:
+            raise InvariantViolation(
+                f"prompt {prompt_id} admitted twice in epoch {epoch} "
+                f"(already {self._entries[group_id].state})"
+            )
+        self._entries[group_id] = LedgerEntry(epoch, prompt_id, PromptState.IN_FLIGHT)
+        return group_id
+
+    def advance(self, group_id: str, state: PromptState, reason: str = "") -> None:
+        entry = self._entries.get(group_id)
+        if entry is None:
+            raise InvariantViolation(f"group {group_id} is not in the prompt ledger")
+        if state not in _NEXT[entry.state]:
+            raise InvariantViolation(f"group {group_id}: illegal ledger move {entry.state} -> {state}")
+        entry.state = state
+        entry.reason = reason
+
+    def state_of(self, group_id: str) -> PromptState | None:
+        entry = self._entries.get(group_id)
+        return entry.state if entry else None
+
+    def entry(self, group_id: str) -> LedgerEntry:
+        return self._entries[group_id]
+
+    def in_state(self, state: PromptState) -> list[str]:
+        return [gid for gid, e in self._entries.items() if e.state is state]
+
+    def counts(self) -> dict[str, int]:
+        counts = Counter(self._pruned)
+        counts.update(e.state for e in self._entries.values())
+        return {state.value: counts[state] for state in PromptState}
+
+    def prune_finished_epochs(self, current_epoch: int) -> None:
+        """Fold terminal entries of epochs before ``current_epoch`` into counts.
+
+        Keeps a week-long run's ledger bounded by about two epochs of entries.
+        """
+        for gid in [g for g, e in self._entries.items()
+                    if e.epoch < current_epoch and not _NEXT[e.state]]:
+            self._pruned[self._entries.pop(gid).state] += 1
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def entries(self) -> dict[str, LedgerEntry]:
+        return self._entries
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "entries": [[gid, e.epoch, e.prompt_id, e.state.value, e.reason] for gid, e in self._entries.items()],
+            "pruned": {s.value: n for s, n in self._pruned.items()},
+        }
+
+    @classmethod
+    def from_json(cls, data: dict[str, object]) -> PromptLedger:
+        ledger = cls()
+        for gid, epoch, prompt_id, state, reason in data["entries"]:  # type: ignore[union-attr]
+            ledger._entries[gid] = LedgerEntry(epoch, prompt_id, PromptState(state), reason)
+        for state, n in data["pruned"].items():  # type: ignore[union-attr]
+            ledger._pruned[PromptState(state)] = n
+        return ledger

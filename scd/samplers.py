@@ -1,0 +1,135 @@
+"""Samplers: which ready groups a train step may take, and when prompts may be dispatched.
+
+Every sampler keeps the staleness window: a group whose start weight version
+is more than ``max_staleness_versions`` behind the trainer is never selected;
+the train pump evicts it instead.  The gated samplers also throttle dispatch
+on the trainer's progress, which is state the replay checkpoint does not yet
+make durable; they declare ``supports_replay_checkpoint = False`` (DESIGN §5).
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Sequence
+from typing import ClassVar
+
+from scd.config import Config
+from scd.errors import ConfigError
+from scd.replay import GroupMeta
+
+
+class Sampler:
+    name: ClassVar[str]
+    supports_replay_checkpoint: ClassVar[bool]
+    # Gated samplers keep dispatch quotas that a restored replay index cannot reproduce.
+    gated: ClassVar[bool]
+
+    def __init__(self, max_staleness_versions: int, groups_per_step: int) -> None:
+        self.max_staleness_versions = max_staleness_versions
+        self.groups_per_step = groups_per_step
+        self.dispatched = 0
+
+    def is_stale(self, group: GroupMeta, trainer_version: int) -> bool:
+        return group.start_weight_version < trainer_version - self.max_staleness_versions
+
+    def may_dispatch(self, trainer_step: int) -> bool:
+        return True
+
+    def on_dispatch(self) -> int | None:
+        """Count a dispatch; returns the group's target step, if the sampler assigns one."""
+        self.dispatched += 1
+        return None
+
+    def select(self, ready: Sequence[GroupMeta], trainer_version: int, trainer_step: int) -> list[GroupMeta]:
+        """The groups for the next train step, or [] if they are not ready yet. Never a stale one."""
+        raise NotImplementedError
+
+    def state(self) -> dict[str, int]:
+        return {"dispatched": self.dispatched}
+
+    def load_state(self, state: dict[str, int]) -> None:
+        self.dispatched = state["dispatched"]
+
+
+class WindowedSampler(Sampler):
+    """Ungated: oldest in-window groups first."""
+
+    name = "windowed"
+    supports_replay_checkpoint = True
+    gated = False
+
+    def select(self, ready: Sequence[GroupMeta], trainer_version: int, trainer_step: int) -> list[GroupMeta]:
+        fresh = [g for g in ready if not self.is_stale(g, trainer_version)]
+        return fresh[: self.groups_per_step] if len(fresh) >= self.groups_per_step else []
+
+
+class WeightFifoSampler(Sampler):
+    """Dispatch gated on the trainer version: at most ``max_staleness + 1`` steps of prompts ahead.
+
+    Selection takes the groups made by the oldest weights first.
+    """
+
+    name = "weight_fifo"
+    supports_replay_checkpoint = False
+    gated = True
+
+    def may_dispatch(self, trainer_step: int) -> bool:
+        return self.dispatched < self.groups_per_step * (trainer_step + 1 + self.max_staleness_versions)
+
+    def select(self, ready: Sequence[GroupMeta], trainer_version: int, trainer_step: int) -> list[GroupMeta]:
+        fresh = sorted((g for g in ready if not self.is_stale(g, trainer_version)),
+                       key=lambda g: g.end_weight_version)
+        return fresh[: self.groups_per_step] if len(fresh) >= self.groups_per_step else []
+
+
+class InOrderSampler(Sampler):
+    """Each dispatched group gets a target step; step s trains exactly its own groups."""
+
+    name = "in_order"
+    supports_replay_checkpoint = False
+    gated = True
+
+    def may_dispatch(self, trainer_step: int) -> bool:
+        return self.dispatched // self.groups_per_step <= trainer_step + self.max_staleness_versions
+
+    def on_dispatch(self) -> int | None:
+        target = self.dispatched // self.groups_per_step
+        self.dispatched += 1
+        return target
+
+    def select(self, ready: Sequence[GroupMeta], trainer_version: int, trainer_step: int) -> list[GroupMeta]:
+        mine = [g for g in ready if g.target_step == trainer_step and not self.is_stale(g, trainer_version)]
+        return mine if len(mine) == self.groups_per_step else []
+
+
+BUILTIN_SAMPLERS: dict[str, type[Sampler]] = {
+    cls.name: cls for cls in (WindowedSampler, WeightFifoSampler, InOrderSampler)
+}
+
+
+def _declared_capability_matches(sampler: Sampler) -> bool:
+    """A sampler claiming replay recovery must be ungated: its whole state is the replay index."""
+    return not (sampler.supports_replay_checkpoint and sampler.gated)
+
+
+def build_sampler(config: Config) -> Sampler:
+    """The configured sampler, its declared capability checked against what it does."""
+    spec = config.async_rl.sampler.name
+    key = "async_rl.sampler.name"
+    if ":" in spec:
+        module_name, _, class_name = spec.partition(":")
+        try:
+            cls = getattr(importlib.import_module(module_name), class_name)
+        except (ImportError, AttributeError) as exc:
+            raise ConfigError(key, f"cannot load custom sampler {spec}: {exc}") from None
+    else:
+        cls = BUILTIN_SAMPLERS[spec]
+    sampler = cls(config.async_rl.sampler.max_staleness_versions, config.trainer.groups_per_step)
+    if not isinstance(sampler, Sampler):
+        raise ConfigError(key, f"{spec} is not a subclass of scd.samplers.Sampler")
+    if not isinstance(getattr(sampler, "supports_replay_checkpoint", None), bool):
+        raise ConfigError(key, f"{spec} must declare supports_replay_checkpoint as a bool")
+    if not _declared_capability_matches(sampler):
+        raise ConfigError(key, f"{spec} declares supports_replay_checkpoint but gates dispatch; "
+                               "its dispatch state would not survive a restore")
+    return sampler

@@ -1,0 +1,27 @@
+"""sd_notify over a plain AF_UNIX datagram socket (no libsystemd)."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+
+def notify(message: str) -> bool:
+    """Send ``message`` (e.g. "READY=1") to $NOTIFY_SOCKET; False when not under systemd."""
+    address = os.environ.get("NOTIFY_SOCKET")
+    if not address:
+        return False
+    if address.startswith("@"):
+        address = "\0" + address[1:]
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
+        sock.sendto(message.encode(), address)
+    return True
+
+
+def watchdog_interval_s() -> float | None:
+    """Half of $WATCHDOG_USEC in seconds, if systemd asked for keep-alives for this process."""
+    usec = os.environ.get("WATCHDOG_USEC")
+    pid = os.environ.get("WATCHDOG_PID")
+    if not usec or (pid and int(pid) != os.getpid()):
+        return None
+    return int(usec) / 2e6

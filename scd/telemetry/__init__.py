@@ -1,0 +1,1 @@
+"""Prometheus metrics, the /metrics and /healthz server, and the JSONL event log."""

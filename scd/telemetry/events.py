@@ -1,0 +1,23 @@
+"""The JSONL event log: one object per line, stamped with wall-clock time and trainer step.
+
+Appended across restarts, so a series continues where the last process left it.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import aiofiles
+import orjson
+
+
+class EventLog:
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    async def emit(self, event: str, step: int, **fields: Any) -> None:
+        record = {"event": event, "time": time.time(), "step": step, **fields}
+        async with aiofiles.open(self.path, "ab") as f:
+            await f.write(orjson.dumps(record) + b"\n")

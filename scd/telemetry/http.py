@@ -1,0 +1,53 @@
+"""A minimal HTTP/1.1 server for /metrics and /healthz, served inside the event loop."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import anyio
+from anyio.abc import SocketStream, TaskStatus
+from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
+
+log = logging.getLogger(__name__)
+
+
+def _response(status: str, content_type: str, body: bytes) -> bytes:
+    head = (f"HTTP/1.1 {status}\r\nContent-Type: {content_type}\r\n"
+            f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n")
+    return head.encode() + body
+
+
+async def serve_http(
+    host: str, port: int, healthy: Callable[[], bool], *,
+    task_status: TaskStatus[int] = anyio.TASK_STATUS_IGNORED,
+) -> None:
+    """Serve until cancelled; reports the bound port through ``task_status``."""
+    listener = await anyio.create_tcp_listener(local_host=host, local_port=port, reuse_port=False)
+    bound = listener.extra(anyio.abc.SocketAttribute.local_port)
+    log.info("metrics on http://%s:%d/metrics", host, bound)
+    task_status.started(bound)
+
+    async def handle(stream: SocketStream) -> None:
+        async with stream:
+            try:
+                with anyio.fail_after(10):
+                    request = b""
+                    while b"\r\n\r\n" not in request and len(request) < 8192:
+                        request += await stream.receive(4096)
+                parts = request.split(b" ", 2)
+                path = parts[1].decode(errors="replace") if len(parts) > 1 else ""
+                if path.split("?")[0] == "/metrics":
+                    body = await anyio.to_thread.run_sync(generate_latest, REGISTRY)
+                    await stream.send(_response("200 OK", CONTENT_TYPE_LATEST, body))
+                elif path == "/healthz":
+                    ok = healthy()
+                    await stream.send(_response("200 OK" if ok else "503 Service Unavailable",
+                                                "text/plain", b"ok\n" if ok else b"unhealthy\n"))
+                else:
+                    await stream.send(_response("404 Not Found", "text/plain", b"not found\n"))
+            except (anyio.EndOfStream, anyio.BrokenResourceError, TimeoutError, OSError):
+                return
+
+    async with listener:
+        await listener.serve(handle)

@@ -1,0 +1,1 @@
+"""The policy network and its GRPO trainer."""

@@ -1,0 +1,94 @@
+"""GRPO: group-normalised advantages, PPO-clip against the generation logprobs, AdamW."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from scd.config import Config
+from scd.dataplane import Rollout
+from scd.tasks import PAD, VOCAB_SIZE
+from scd.training.policy import TinyCausalLM, state_copy
+
+
+@dataclass(slots=True)
+class StepResult:
+    loss: float
+    reward_mean: float
+    clip_fraction: float
+    entropy: float
+    tokens: int
+
+
+def group_advantages(rewards: torch.Tensor, eps: float) -> torch.Tensor:
+    """``(r - mean) / (std + eps)`` within one group."""
+    return (rewards - rewards.mean()) / (rewards.std() + eps)
+
+
+def completion_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
+    """Log-probability of each next token, at the sampling temperature."""
+    logp = F.log_softmax(logits[:, :-1] / temperature, dim=-1)
+    return logp.gather(-1, tokens[:, 1:].unsqueeze(-1)).squeeze(-1)
+
+
+class GRPOTrainer:
+    def __init__(self, config: Config, vocab_size: int = VOCAB_SIZE) -> None:
+        torch.manual_seed(config.run.seed)
+        self.model = TinyCausalLM(config.model, vocab_size)
+        self.cfg = config.trainer
+        self.temperature = config.generation.temperature
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(), lr=self.cfg.lr, weight_decay=self.cfg.weight_decay
+        )
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        return state_copy(self.model)
+
+    def step(self, groups: Sequence[Sequence[Rollout]]) -> StepResult:
+        """One optimisation step on ``groups``; blocking, run it in a worker thread."""
+        rows = [row for group in groups for row in group]
+        advantages = torch.cat([
+            group_advantages(torch.tensor([r.reward for r in g]), self.cfg.advantage_eps) for g in groups
+        ])
+        width = max(len(r.input_ids) for r in rows)
+        tokens = torch.full((len(rows), width), PAD, dtype=torch.int64)
+        old_logp = torch.zeros(len(rows), width - 1)
+        mask = torch.zeros(len(rows), width - 1)
+        for i, r in enumerate(rows):
+            n = len(r.input_ids)
+            tokens[i, :n] = r.input_ids
+            # Position p predicts token p+1; completion tokens start at prompt_len.
+            span = slice(r.prompt_len - 1, n - 1)
+            old_logp[i, span] = r.logprobs
+            mask[i, span] = 1.0
+
+        self.model.train()
+        logits = self.model(tokens)
+        new_logp = completion_logprobs(logits, tokens, self.temperature)
+        ratio = torch.exp(new_logp - old_logp)
+        adv = advantages.unsqueeze(1)
+        clipped = torch.clamp(ratio, 1 - self.cfg.clip_eps, 1 + self.cfg.clip_eps)
+        surrogate = -torch.minimum(ratio * adv, clipped * adv)
+        n_tokens = mask.sum()
+        policy_loss = (surrogate * mask).sum() / n_tokens
+        loss = policy_loss
+        entropy = torch.zeros(())
+        if self.cfg.entropy_coef:
+            probs = F.softmax(logits[:, :-1] / self.temperature, dim=-1)
+            token_entropy = -(probs * F.log_softmax(logits[:, :-1] / self.temperature, dim=-1)).sum(-1)
+            entropy = (token_entropy * mask).sum() / n_tokens
+            loss = loss - self.cfg.entropy_coef * entropy
+
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm)
+        self.optimizer.step()
+        with torch.no_grad():
+            clip_fraction = (((ratio - 1).abs() > self.cfg.clip_eps).float() * mask).sum() / n_tokens
+        return StepResult(
+            loss=float(loss.detach()), reward_mean=float(torch.tensor([r.reward for r in rows]).mean()),
+            clip_fraction=float(clip_fraction), entropy=float(entropy), tokens=int(n_tokens),
+        )
