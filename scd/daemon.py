@@ -33,12 +33,12 @@ from scd import systemd
 from scd.barrier import CheckpointBarrier, MutationKind
 from scd.config import Config
 from scd.dataloader import DataloaderState, PromptOrder
-from scd.dataplane import DataPlane, unpack_rows
+from scd.dataplane import ROW_FIELDS, DataPlane
 from scd.errors import InvariantViolation
 from scd.generation import build_backend
 from scd.generation.base import GenerationBackend, GroupRequest, GroupResult
 from scd.ledger import DropReason, PromptLedger, PromptState
-from scd.replay import GroupMeta, ReplayIndex, sample_ids_for
+from scd.replay import GroupMeta, ReplayIndex, rollouts_of, sample_ids_for
 from scd.samplers import Sampler, build_sampler
 from scd.tasks import Prompt, build_task
 from scd.telemetry import metrics
@@ -136,11 +136,26 @@ class Controller:
         """Advance the dataloader cursor and record the prompt in flight, as one mutation."""
         async with self.barrier.mutation(MutationKind.ADMIT):
             epoch, prompt_id = self.order.take()
-            group_id = self.ledger.admit(epoch, prompt_id)
             target_step = self.sampler.on_dispatch()
+            group_id = self.ledger.admit(epoch, prompt_id, target_step)
             self._in_flight += 1
-        return GroupRequest(group_id, epoch, self.prompts[prompt_id], self.config.generation.group_size,
-                            target_step, time.time())
+        return self._request(group_id)
+
+    def _request(self, group_id: str) -> GroupRequest:
+        entry = self.ledger.entry(group_id)
+        return GroupRequest(group_id, entry.epoch, self.prompts[entry.prompt_id],
+                            self.config.generation.group_size, entry.target_step, time.time())
+
+    async def redispatch_in_flight(self) -> list[GroupRequest]:
+        """Requests for every prompt the ledger holds in flight (admitted, never committed).
+
+        A run that stopped (or a process that died) mid-generation left them there;
+        they go to generation again before any new prompt, so none is lost.
+        """
+        async with self.barrier.mutation(MutationKind.REDISPATCH):
+            pending = self.ledger.in_state(PromptState.IN_FLIGHT)
+            self._in_flight = len(pending)
+            return [self._request(group_id) for group_id in pending]
 
     async def commit(self, result: GroupResult) -> None:
         """Put a finished group's rows into TQ and index it; validates before it writes.
@@ -164,9 +179,10 @@ class Controller:
                 group_id=req.group_id, epoch=req.epoch, prompt_id=req.prompt.prompt_id,
                 sample_ids=sample_ids, start_weight_version=result.start_weight_version,
                 end_weight_version=result.end_weight_version,
-                seq_lens=tuple(len(r.input_ids) for r in result.rollouts),
-                fields=("input_ids", "logprobs", "prompt_len", "reward", "weight_version"),
-                rewards=tuple(r.reward for r in result.rollouts), target_step=req.target_step,
+                prompt_len=result.rollouts[0].prompt_len,
+                seq_lens=tuple(len(r.input_ids) for r in result.rollouts), fields=ROW_FIELDS,
+                rewards=tuple(r.reward for r in result.rollouts),
+                weight_versions=tuple(r.weight_version for r in result.rollouts), target_step=req.target_step,
                 admitted_at=req.admitted_at, committed_at=time.time(),
             )
             self.replay.add(group)
@@ -217,6 +233,8 @@ class Controller:
 
     async def rollout_pump(self, to_generation: MemoryObjectSendStream[GroupRequest]) -> None:
         async with to_generation:
+            for request in await self.redispatch_in_flight():
+                await to_generation.send(request)
             while True:
                 await self.wait_for_capacity()
                 if self._draining:
@@ -266,15 +284,11 @@ class Controller:
 
     async def train_step(self, batch: list[GroupMeta]) -> None:
         data = await self.dataplane.get_rows([sid for g in batch for sid in g.sample_ids])
-        rows = unpack_rows(data)
+        input_ids, logprobs = data["input_ids"].unbind(), data["logprobs"].unbind()
         groups, at = [], 0
         for group in batch:
             n = len(group.sample_ids)
-            got = [len(r.input_ids) for r in rows[at:at + n]]
-            if tuple(got) != group.seq_lens:
-                raise InvariantViolation(f"rows read for group {group.group_id} have lengths {got}, "
-                                         f"index says {list(group.seq_lens)}")
-            groups.append(rows[at:at + n])
+            groups.append(rollouts_of(group, input_ids[at:at + n], logprobs[at:at + n]))
             at += n
         result = await anyio.to_thread.run_sync(self.trainer.step, groups)
         staleness = self.weight_version - min(g.start_weight_version for g in batch)

@@ -25,6 +25,7 @@ import torch
 
 from scd.config import DataPlaneConfig
 from scd.errors import DataPlaneError
+from scd.records import Rollout
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -32,19 +33,13 @@ T = TypeVar("T")
 # TQ calls torch.set_num_threads(TQ_NUM_THREADS) around every put/get, process-wide.
 # Pin it to what training uses so TQ traffic does not re-thread the trainer.
 os.environ.setdefault("TQ_NUM_THREADS", "1")
+# Ray's core worker otherwise installs absl's failure-signal handler in this process, which
+# turns the SIGTERM we drain on into an abort.
+os.environ.setdefault("RAY_DISABLE_FAILURE_SIGNAL_HANDLER", "1")
 
-ROW_FIELDS = ("input_ids", "logprobs", "prompt_len", "reward", "weight_version")
-
-
-@dataclass(slots=True)
-class Rollout:
-    """One sibling of a group, as stored in TQ."""
-
-    input_ids: torch.Tensor  # int64 [prompt_len + completion_len]
-    logprobs: torch.Tensor  # float32 [completion_len], under the weights that sampled it
-    prompt_len: int
-    reward: float
-    weight_version: int
+# Tensor fields of a TQ row.  Per-row scalars (prompt length, reward, weight version) are
+# tags and replay metadata: as tensors each would cost a pickled header per row in a snapshot.
+ROW_FIELDS = ("input_ids", "logprobs")
 
 
 @dataclass(slots=True)
@@ -88,8 +83,10 @@ class DataPlane:
                     _node_ip_address="127.0.0.1", logging_level=logging.WARNING))
             started_ray = True
         conf = {"backend": {"SimpleStorage": {"num_data_storage_units": config.storage_units}}}
+        attached_already = tq_interface._TQ_CLIENT is not None
         await _bounded_thread(config.call_timeout_s, "tq.init", lambda: tq.init(conf))
-        owns_tq = tq_interface._TQ_STORAGE is not None
+        # tq.close() kills the controller even from a process that merely attached: close only ours.
+        owns_tq = not attached_already and tq_interface._TQ_STORAGE is not None
         try:
             yield cls(config)
         finally:
@@ -113,7 +110,8 @@ class DataPlane:
         import transfer_queue as tq
 
         fields = pack_rows(rows)
-        tags = [{"weight_version": r.weight_version} for r in rows]
+        tags = [{"prompt_len": r.prompt_len, "reward": r.reward, "weight_version": r.weight_version}
+                for r in rows]
         await self._call("put", lambda: tq.async_kv_batch_put(
             keys=list(sample_ids), partition_id=self.partition, fields=fields, tags=tags))
         self._stats.puts += 1
@@ -166,29 +164,16 @@ class DataPlane:
 
 
 def pack_rows(rows: Sequence[Rollout]) -> Any:
+    """Rows as jagged nested tensors of separate per-row buffers (see the module docstring)."""
     from tensordict import TensorDict
 
     def jagged(tensors: list[torch.Tensor]) -> torch.Tensor:
         return torch.nested.as_nested_tensor([t.clone() for t in tensors], layout=torch.jagged)
 
-    n = len(rows)
     return TensorDict({
         "input_ids": jagged([r.input_ids for r in rows]),
         "logprobs": jagged([r.logprobs.to(torch.float32) for r in rows]),
-        "prompt_len": torch.tensor([r.prompt_len for r in rows], dtype=torch.int64),
-        "reward": torch.tensor([r.reward for r in rows], dtype=torch.float32),
-        "weight_version": torch.tensor([r.weight_version for r in rows], dtype=torch.int64),
-    }, batch_size=[n])
-
-
-def unpack_rows(data: Any) -> list[Rollout]:
-    input_ids = data["input_ids"].unbind()
-    logprobs = data["logprobs"].unbind()
-    return [
-        Rollout(input_ids[i], logprobs[i], int(data["prompt_len"][i]), float(data["reward"][i]),
-                int(data["weight_version"][i]))
-        for i in range(len(input_ids))
-    ]
+    }, batch_size=[len(rows)])
 
 
 async def _bounded_thread(timeout_s: float, what: str, fn: Callable[[], T], swallow: bool = False) -> T | None:

@@ -45,6 +45,7 @@ class LedgerEntry:
     prompt_id: int
     state: PromptState
     reason: str = ""
+    target_step: int | None = None
 
 
 class PromptLedger:
@@ -53,7 +54,7 @@ class PromptLedger:
         # Terminal entries of finished epochs are folded into these counts.
         self._pruned: Counter[PromptState] = Counter()
 
-    def admit(self, epoch: int, prompt_id: int) -> str:
+    def admit(self, epoch: int, prompt_id: int, target_step: int | None = None) -> str:
         """Record a new in-flight prompt; exactly-once per epoch is enforced here."""
         group_id = group_id_for(epoch, prompt_id)
         if group_id in self._entries:
@@ -61,7 +62,7 @@ class PromptLedger:
                 f"prompt {prompt_id} admitted twice in epoch {epoch} "
                 f"(already {self._entries[group_id].state})"
             )
-        self._entries[group_id] = LedgerEntry(epoch, prompt_id, PromptState.IN_FLIGHT)
+        self._entries[group_id] = LedgerEntry(epoch, prompt_id, PromptState.IN_FLIGHT, target_step=target_step)
         return group_id
 
     def advance(self, group_id: str, state: PromptState, reason: str = "") -> None:
@@ -105,15 +106,16 @@ class PromptLedger:
 
     def to_json(self) -> dict[str, object]:
         return {
-            "entries": [[gid, e.epoch, e.prompt_id, e.state.value, e.reason] for gid, e in self._entries.items()],
+            "entries": [[gid, e.epoch, e.prompt_id, e.state.value, e.reason, e.target_step]
+                        for gid, e in self._entries.items()],
             "pruned": {s.value: n for s, n in self._pruned.items()},
         }
 
     @classmethod
     def from_json(cls, data: dict[str, object]) -> PromptLedger:
         ledger = cls()
-        for gid, epoch, prompt_id, state, reason in data["entries"]:  # type: ignore[union-attr]
-            ledger._entries[gid] = LedgerEntry(epoch, prompt_id, PromptState(state), reason)
+        for gid, epoch, prompt_id, state, reason, target_step in data["entries"]:  # type: ignore[union-attr]
+            ledger._entries[gid] = LedgerEntry(epoch, prompt_id, PromptState(state), reason, target_step)
         for state, n in data["pruned"].items():  # type: ignore[union-attr]
             ledger._pruned[PromptState(state)] = n
         return ledger

@@ -10,6 +10,10 @@ from __future__ import annotations
 import hashlib
 
 import msgspec
+import torch
+
+from scd.errors import InvariantViolation
+from scd.records import Rollout
 
 
 class GroupMeta(msgspec.Struct, frozen=True, kw_only=True):
@@ -19,9 +23,11 @@ class GroupMeta(msgspec.Struct, frozen=True, kw_only=True):
     sample_ids: tuple[str, ...]
     start_weight_version: int
     end_weight_version: int
+    prompt_len: int
     seq_lens: tuple[int, ...]
     fields: tuple[str, ...]
     rewards: tuple[float, ...]
+    weight_versions: tuple[int, ...]
     target_step: int | None = None
     tags: dict[str, str] = msgspec.field(default_factory=dict)
     admitted_at: float = 0.0
@@ -30,6 +36,18 @@ class GroupMeta(msgspec.Struct, frozen=True, kw_only=True):
     @property
     def tokens(self) -> int:
         return sum(self.seq_lens)
+
+
+def rollouts_of(group: GroupMeta, input_ids: list[torch.Tensor], logprobs: list[torch.Tensor]) -> list[Rollout]:
+    """Rebuild a group's rollouts from its TQ tensors and its metadata, checking the row lengths."""
+    got = tuple(len(t) for t in input_ids)
+    if got != group.seq_lens:
+        raise InvariantViolation(f"rows read for group {group.group_id} have lengths {list(got)}, "
+                                 f"the replay index says {list(group.seq_lens)}")
+    return [
+        Rollout(ids, lp, group.prompt_len, reward, version)
+        for ids, lp, reward, version in zip(input_ids, logprobs, group.rewards, group.weight_versions, strict=True)
+    ]
 
 
 def sample_ids_for(group_id: str, group_size: int) -> tuple[str, ...]:

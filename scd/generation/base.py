@@ -8,7 +8,7 @@ from typing import Protocol
 
 import torch
 
-from scd.dataplane import Rollout
+from scd.records import Rollout
 from scd.tasks import Prompt
 
 

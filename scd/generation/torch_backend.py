@@ -11,8 +11,8 @@ import torch
 import torch.nn.functional as F
 
 from scd.config import Config
-from scd.dataplane import Rollout
 from scd.generation.base import GroupRequest, GroupResult
+from scd.records import Rollout
 from scd.tasks import VOCAB_SIZE, reward
 from scd.training.policy import TinyCausalLM
 

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from scd.config import Config
-from scd.dataplane import Rollout
+from scd.records import Rollout
 from scd.tasks import PAD, VOCAB_SIZE
 from scd.training.policy import TinyCausalLM, state_copy
 

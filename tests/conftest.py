@@ -1,0 +1,135 @@
+"""One real Ray + TransferQueue per pytest session, and helpers to run a real `scd` subprocess."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("TQ_NUM_THREADS", "1")
+REPO = Path(__file__).resolve().parents[1]
+SCD = [sys.executable, "-m", "scd.cli"]
+
+
+@pytest.fixture(scope="session")
+def tq_session() -> Iterator[None]:
+    """A local Ray with enough logical CPUs for TQ's controller and one storage unit."""
+    import ray
+    import transfer_queue as tq
+
+    ray.init(num_cpus=3, include_dashboard=False, log_to_driver=False, _node_ip_address="127.0.0.1",
+             logging_level=logging.WARNING)
+    tq.init({"backend": {"SimpleStorage": {"num_data_storage_units": 1}}})
+    yield
+    tq.close()
+    ray.shutdown()
+
+
+@pytest.fixture
+def partition(tq_session: None) -> str:
+    """A fresh TQ partition for one test."""
+    return f"test-{uuid.uuid4().hex[:8]}"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+TINY = """
+[run]
+seed = 0
+max_steps = {max_steps}
+output_dir = "{out}"
+
+[data_plane.ray]
+num_cpus = 3
+
+[generation]
+group_size = 8
+max_inflight_prompts = 16
+batch_groups = 8
+
+[trainer]
+lr = 1e-3
+groups_per_step = 8
+
+[task]
+name = "reverse"
+size = 64
+
+[async_rl]
+buffer_capacity_groups = 32
+
+[telemetry]
+metrics_port = {port}
+"""
+
+
+def write_config(directory: Path, *, max_steps: int = 20, port: int | None = None, extra: str = "") -> Path:
+    path = directory / "scd.toml"
+    path.write_text(TINY.format(max_steps=max_steps, out=directory / "out", port=port or free_port()) + extra)
+    return path
+
+
+class ScdProcess:
+    """A real `scd run` subprocess; stopped by pid only (never by name)."""
+
+    def __init__(self, config: Path, *args: str, env: dict[str, str] | None = None) -> None:
+        self.log_path = config.parent / f"scd-{uuid.uuid4().hex[:6]}.log"
+        self._log = self.log_path.open("wb")
+        self.proc = subprocess.Popen(
+            [*SCD, "run", str(config), *args], cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT,
+            env={**os.environ, **(env or {})}, start_new_session=True,
+        )
+
+    def output(self) -> str:
+        if not self._log.closed:
+            self._log.flush()
+        return self.log_path.read_text(errors="replace")
+
+    def wait_for_line(self, needle: str, timeout: float = 120) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if needle in self.output():
+                return
+            if self.proc.poll() is not None:
+                raise AssertionError(f"scd exited {self.proc.returncode} before {needle!r}:\n{self.output()[-4000:]}")
+            time.sleep(0.2)
+        raise AssertionError(f"no {needle!r} within {timeout}s:\n{self.output()[-4000:]}")
+
+    def wait(self, timeout: float = 300) -> int:
+        try:
+            return self.proc.wait(timeout=timeout)
+        finally:
+            self._log.close()
+
+    def signal(self, signum: int) -> None:
+        self.proc.send_signal(signum)
+
+    def kill_group(self) -> None:
+        """SIGKILL the process group this test started (scd and the Ray processes it spawned)."""
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait(timeout=30)
+
+
+@pytest.fixture
+def scd_processes() -> Iterator[list[ScdProcess]]:
+    started: list[ScdProcess] = []
+    yield started
+    for p in started:
+        # Also reaps Ray processes a killed scd left behind in its process group.
+        p.kill_group()

@@ -1,0 +1,73 @@
+"""Bad config files exit 2 with a message naming the key."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from scd.config import load_config, parse_config
+from scd.errors import ConfigError
+from tests.conftest import REPO, SCD
+
+BAD_CONFIGS = [
+    ("[run]\nmax_stepz = 3\n", "run.max_stepz"),
+    ("[generation]\ngroup_size = 1\n", "generation.group_size"),
+    ("[generation]\ngroup_size = 'eight'\n", "generation.group_size"),
+    ("[async_rl.sampler]\nmax_staleness_versions = -1\n", "async_rl.sampler.max_staleness_versions"),
+    ("[data_plane]\nstorage_units = 2\n[data_plane.ray]\nnum_cpus = 2\n", "data_plane.ray.num_cpus"),
+    ("[async_rl.sampler]\nname = 'lifo'\n", "async_rl.sampler.name"),
+    ("[checkpointing]\nkeep_last = 1\n", "checkpointing.keep_last"),
+    ("[trainer]\nclip_eps = 1.5\n", "trainer.clip_eps"),
+    ("[task]\nname = 'jsonl'\npath = 'missing.jsonl'\n", "task.path"),
+    ("[telemetry]\nmetrics_port = 70000\n", "telemetry.metrics_port"),
+    ("[bogus]\nx = 1\n", "bogus"),
+    ("[generation]\nbackend = 'tpu'\n", "generation.backend"),
+    ("[checkpointing]\nenabled = true\n[data_plane]\ncheckpointing_enabled = false\n",
+     "data_plane.checkpointing_enabled"),
+]
+
+
+@pytest.mark.parametrize(("text", "key"), BAD_CONFIGS)
+def test_bad_config_names_its_key(tmp_path: Path, text: str, key: str) -> None:
+    path = tmp_path / "bad.toml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert info.value.key == key
+    assert f"'{key}'" in str(info.value)
+
+
+@pytest.mark.parametrize(("text", "key"), [*BAD_CONFIGS[:4], ("not toml [", "<file>")])
+def test_scd_run_exits_2_naming_the_key(tmp_path: Path, text: str, key: str) -> None:
+    path = tmp_path / "bad.toml"
+    path.write_text(text)
+    proc = subprocess.run([*SCD, "run", str(path)], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    assert key in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_paths_resolve_against_the_config_directory(tmp_path: Path) -> None:
+    (tmp_path / "prompts.jsonl").write_text('{"prompt": "12", "answer": "21"}\n')
+    path = tmp_path / "ok.toml"
+    path.write_text("[run]\noutput_dir = 'out'\n[task]\nname = 'jsonl'\npath = 'prompts.jsonl'\n")
+    config = load_config(path)
+    assert config.run.output_dir == str(tmp_path / "out")
+    assert config.task.path == str(tmp_path / "prompts.jsonl")
+    assert config.checkpointing.dir == str(tmp_path / "out" / "checkpoints")
+
+
+def test_shipped_config_loads() -> None:
+    config = load_config(REPO / "configs" / "tiny.toml")
+    assert config.generation.backend == "torch"
+    assert config.async_rl.sampler.name == "windowed"
+
+
+def test_fingerprint_ignores_learning_rate_but_not_group_size(tmp_path: Path) -> None:
+    default = parse_config({}, tmp_path)
+    assert parse_config({"trainer": {"lr": 0.5}}, tmp_path).fingerprint() == default.fingerprint()
+    assert parse_config({"run": {"output_dir": "elsewhere"}}, tmp_path).fingerprint() == default.fingerprint()
+    assert parse_config({"generation": {"group_size": 4}}, tmp_path).fingerprint() != default.fingerprint()
+    assert parse_config({"task": {"name": "sort"}}, tmp_path).fingerprint() != default.fingerprint()

@@ -1,0 +1,84 @@
+"""The prompt ledger never holds a prompt twice, and every admitted prompt is in flight or terminal."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from scd.dataloader import DataloaderState, PromptOrder
+from scd.errors import InvariantViolation
+from scd.ledger import PromptLedger, PromptState
+
+
+class LedgerMachine(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ledger = PromptLedger()
+        self.order = PromptOrder(5, DataloaderState(seed=3))
+        self.admitted: list[str] = []
+        self.terminal: dict[str, PromptState] = {}
+
+    @rule()
+    def admit(self) -> None:
+        epoch, prompt_id = self.order.take()
+        self.admitted.append(self.ledger.admit(epoch, prompt_id))
+
+    @precondition(lambda self: self.admitted)
+    @rule(data=st.data(), target_state=st.sampled_from(list(PromptState)))
+    def advance(self, data: st.DataObject, target_state: PromptState) -> None:
+        gid = data.draw(st.sampled_from(self.admitted))
+        current = self.ledger.state_of(gid)
+        legal = {PromptState.IN_FLIGHT: {PromptState.READY, PromptState.DROPPED},
+                 PromptState.READY: {PromptState.CONSUMED, PromptState.DROPPED}}.get(current, set())
+        if target_state in legal:
+            self.ledger.advance(gid, target_state, "stale" if target_state is PromptState.DROPPED else "")
+            if target_state in (PromptState.CONSUMED, PromptState.DROPPED):
+                self.terminal[gid] = target_state
+        else:
+            with pytest.raises(InvariantViolation):
+                self.ledger.advance(gid, target_state)
+
+    @precondition(lambda self: self.admitted)
+    @rule(data=st.data())
+    def readmit_in_same_epoch_fails(self, data: st.DataObject) -> None:
+        gid = data.draw(st.sampled_from(self.admitted))
+        if gid in self.ledger.entries():
+            entry = self.ledger.entry(gid)
+            with pytest.raises(InvariantViolation):
+                self.ledger.admit(entry.epoch, entry.prompt_id)
+
+    @rule()
+    def prune(self) -> None:
+        self.ledger.prune_finished_epochs(self.order.state.epoch)
+
+    @invariant()
+    def every_admitted_prompt_is_accounted_for(self) -> None:
+        counts = self.ledger.counts()
+        assert sum(counts.values()) == len(self.admitted) == len(set(self.admitted))
+        assert counts["consumed"] + counts["dropped"] == len(self.terminal)
+        for gid in self.admitted:
+            state = self.ledger.state_of(gid)
+            assert state is not None or gid in self.terminal
+
+
+TestLedger = LedgerMachine.TestCase
+
+
+def test_ledger_round_trips_through_json() -> None:
+    ledger = PromptLedger()
+    a = ledger.admit(0, 3)
+    ledger.admit(0, 4)
+    ledger.advance(a, PromptState.READY)
+    ledger.advance(a, PromptState.DROPPED, "stale")
+    again = PromptLedger.from_json(ledger.to_json())
+    assert again.counts() == ledger.counts()
+    assert again.entry(a).reason == "stale"
+
+
+def test_each_epoch_visits_every_prompt_once() -> None:
+    order = PromptOrder(7, DataloaderState(seed=11))
+    seen = [order.take() for _ in range(21)]
+    for epoch in range(3):
+        assert sorted(p for e, p in seen if e == epoch) == list(range(7))
+    assert [p for e, p in seen if e == 0] != [p for e, p in seen if e == 1]
