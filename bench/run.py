@@ -42,7 +42,7 @@ async def throughput(warmup_steps: int = 10, steps: int = 100) -> dict[str, floa
     with TemporaryDirectory() as tmp:
         config = tiny(Path(tmp))
         async with Controller.open(config) as controller:
-            await controller.run(anyio.Event(), max_steps=warmup_steps)
+            await controller.run(max_steps=warmup_steps)
             stalls: list[float] = []
 
             async def probe() -> None:
@@ -55,7 +55,7 @@ async def throughput(warmup_steps: int = 10, steps: int = 100) -> dict[str, floa
             started = time.monotonic()
             async with anyio.create_task_group() as tg:
                 tg.start_soon(probe)
-                await controller.run(anyio.Event(), max_steps=warmup_steps + steps)
+                await controller.run(max_steps=warmup_steps + steps)
                 tg.cancel_scope.cancel()
             elapsed = time.monotonic() - started
             return {

@@ -4,39 +4,75 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 import anyio
+import orjson
 from anyio.abc import TaskStatus
 
 from scd.config import Config, load_config
-from scd.errors import EXIT_CONFIG, EXIT_OK, EXIT_OTHER, ScdError
+from scd.daemon import Triggers
+from scd.errors import EXIT_CONFIG, EXIT_INVARIANT, EXIT_OK, EXIT_OTHER, ScdError
 
 log = logging.getLogger("scd")
 
 
-async def handle_signals(shutdown: anyio.Event, *,
+async def handle_signals(triggers: Triggers, *,
                          task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
-    """SIGTERM/SIGINT fire the shutdown trigger (a drain); a second one is left to the deadline."""
-    with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+    """SIGTERM/SIGINT fire the shutdown trigger (a drain); SIGUSR1 asks for a checkpoint."""
+    with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGUSR1) as signals:
         task_status.started()
         async for signum in signals:
             log.info("received %s", signal.Signals(signum).name)
-            shutdown.set()
+            if signum == signal.SIGUSR1:
+                triggers.request_checkpoint()
+            else:
+                triggers.shutdown.set()
 
 
-async def run_daemon(config: Config, max_steps: int | None) -> None:
+async def run_daemon(config: Config, args: argparse.Namespace) -> None:
     from scd.daemon import Controller
 
-    shutdown = anyio.Event()
+    triggers = Triggers()
     async with anyio.create_task_group() as tg:
-        await tg.start(handle_signals, shutdown, name="signals")
+        # Signals are handled from the first moment: a SIGTERM during a long restore still drains.
+        await tg.start(handle_signals, triggers, name="signals")
         async with Controller.open(config) as controller:
-            if not shutdown.is_set():
-                await controller.run(shutdown, max_steps)
+            await controller.events.emit("start", controller.trainer_step, pid=os.getpid())
+            await controller.restore(args.restore_from, args.allow_config_change)
+            if not triggers.shutdown.is_set():
+                await controller.run(triggers, args.max_steps)
         tg.cancel_scope.cancel()
+
+
+def checkpoint_command(args: argparse.Namespace) -> int:
+    from scd.checkpoint.inspect import BundleError, inspect_bundle, list_bundles
+
+    if args.checkpoint_command == "list":
+        if not args.dir.is_dir():
+            print(f"scd: error: {args.dir} is not a directory", file=sys.stderr)
+            return EXIT_CONFIG
+        for row in list_bundles(args.dir):
+            flags = ("finalized" if row["finalized"] else "UNFINISHED") + (" latest" if row["latest"] else "")
+            print(f"{row['name']}  {row['bytes']:>12d} bytes  {flags}")
+        return EXIT_OK
+    try:
+        summary = inspect_bundle(args.path)
+    except BundleError as exc:
+        print(f"scd: {exc}", file=sys.stderr)
+        return EXIT_INVARIANT
+    if args.checkpoint_command == "verify":
+        print(f"ok: {args.path} (step {summary['step']}, {summary['groups']} groups, {summary['samples']} samples)")
+    elif args.json:
+        sys.stdout.write(orjson.dumps(summary, option=orjson.OPT_INDENT_2).decode() + "\n")
+    else:
+        for key, value in summary.items():
+            print(f"{key:28s} {value}")
+    return EXIT_OK
 
 
 def _first_scd_error(exc: BaseException) -> ScdError | None:
@@ -56,6 +92,21 @@ def _parser() -> argparse.ArgumentParser:
     run = commands.add_parser("run", help="run the controller")
     run.add_argument("config", help="TOML config file")
     run.add_argument("--max-steps", type=int, default=None, help="stop after N trainer steps")
+    run.add_argument("--restore-from", type=Path, default=None,
+                     help="restore this bundle instead of the newest finalized one")
+    run.add_argument("--allow-config-change", action="store_true",
+                     help="restore even if settings that change what stored rollouts mean have changed")
+    report = commands.add_parser("report", help="plots and a summary table from an event log")
+    report.add_argument("events", type=Path, help="JSONL event log (telemetry.events_path)")
+    report.add_argument("-o", "--out", type=Path, required=True, help="directory for the PNG plots")
+    ckpt = commands.add_parser("checkpoint", help="list, verify or inspect checkpoint bundles")
+    ckpt_commands = ckpt.add_subparsers(dest="checkpoint_command", required=True)
+    ckpt_commands.add_parser("list", help="bundles in a checkpoint directory").add_argument("dir", type=Path)
+    ckpt_commands.add_parser("verify", help="verify one bundle offline (exit 0 good, 3 bad)").add_argument(
+        "path", type=Path)
+    inspect = ckpt_commands.add_parser("inspect", help="summarise one bundle")
+    inspect.add_argument("path", type=Path)
+    inspect.add_argument("--json", action="store_true", help="print JSON")
     return parser
 
 
@@ -70,13 +121,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     _setup_logging()
     try:
-        if args.command == "run":
-            config = load_config(args.config)
-            if args.max_steps is not None and args.max_steps < 1:
-                print("scd: error: --max-steps must be >= 1", file=sys.stderr)
-                return EXIT_CONFIG
-            anyio.run(run_daemon, config, args.max_steps, backend="asyncio",
-                      backend_options={"use_uvloop": True})
+        if args.command == "checkpoint":
+            return checkpoint_command(args)
+        if args.command == "report":
+            from scd.telemetry.report import write_report
+
+            print(write_report(args.events, args.out))
+            return EXIT_OK
+        config = load_config(args.config)
+        if args.max_steps is not None and args.max_steps < 1:
+            print("scd: error: --max-steps must be >= 1", file=sys.stderr)
+            return EXIT_CONFIG
+        anyio.run(run_daemon, config, args, backend="asyncio", backend_options={"use_uvloop": True})
     except BaseException as exc:
         error = _first_scd_error(exc)
         if error is not None:

@@ -9,10 +9,13 @@ Tasks (each named for what it does):
 * ``http``           /metrics and /healthz
 * ``watchdog``       WATCHDOG=1 to systemd while the loop is responsive
 * ``loop_probe``     measures event-loop stalls
+* ``checkpoint_scheduler`` turns the interval and SIGUSR1 into a checkpoint due at the next
+  step boundary; the train pump takes it there, and ``checkpoint_writer`` tasks write it
 
-Shutdown is a trigger passed in.  When it fires the rollout pump stops
-admitting and the train pump stops at its next step boundary; if that takes
-longer than the drain deadline, the train pump's cancel scope is cancelled.
+Shutdown and checkpoint requests are triggers passed in (tests need no real
+signals).  On shutdown the rollout pump stops admitting and the train pump
+stops at its next step boundary; if that takes longer than the drain deadline,
+the train pump's cancel scope is cancelled.  Then a final checkpoint is written.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import math
 import time
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import anyio
@@ -31,6 +34,9 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 
 from scd import systemd
 from scd.barrier import CheckpointBarrier, MutationKind
+from scd.checkpoint.checkpointer import Checkpointer
+from scd.checkpoint.restore import restore_controller
+from scd.checkpoint.save import Reason
 from scd.config import Config
 from scd.dataloader import DataloaderState, PromptOrder
 from scd.dataplane import ROW_FIELDS, DataPlane
@@ -38,6 +44,7 @@ from scd.errors import InvariantViolation
 from scd.generation import build_backend
 from scd.generation.base import GenerationBackend, GroupRequest, GroupResult
 from scd.ledger import DropReason, PromptLedger, PromptState
+from scd.records import Rollout
 from scd.replay import GroupMeta, ReplayIndex, rollouts_of, sample_ids_for
 from scd.samplers import Sampler, build_sampler
 from scd.tasks import Prompt, build_task
@@ -49,6 +56,18 @@ from scd.training.grpo import GRPOTrainer
 log = logging.getLogger(__name__)
 
 DRAIN_DEADLINE_S = 30.0
+
+
+@dataclass(slots=True)
+class Triggers:
+    """What the outside world can ask of a running controller (signals in production, tests directly)."""
+
+    shutdown: anyio.Event = field(default_factory=anyio.Event)
+    checkpoint_now: anyio.Event = field(default_factory=anyio.Event)
+
+    def request_checkpoint(self) -> None:
+        """Several requests before the scheduler takes one coalesce into one checkpoint."""
+        self.checkpoint_now.set()
 
 
 @dataclass(slots=True)
@@ -64,6 +83,11 @@ class ControllerStatistics:
     ledger: dict[str, int]
 
 
+def _observe_blocked_mutation(kind: MutationKind, waited_s: float) -> None:
+    metrics.checkpoint_blocked_mutations.labels(kind.value).inc()
+    metrics.checkpoint_mutation_wait.observe(waited_s)
+
+
 class Controller:
     def __init__(self, config: Config, dataplane: DataPlane, backend: GenerationBackend) -> None:
         self.config = config
@@ -75,8 +99,9 @@ class Controller:
         self.ledger = PromptLedger()
         self.replay = ReplayIndex()
         self.order = PromptOrder(len(self.prompts), DataloaderState(seed=config.task.seed))
-        self.barrier = CheckpointBarrier()
+        self.barrier = CheckpointBarrier(on_blocked=_observe_blocked_mutation)
         self.events = EventLog(Path(config.telemetry.events_path))
+        self.checkpointer = Checkpointer(config.checkpointing, self.events) if config.checkpointing.enabled else None
         self.trainer_step = 0
         self.weight_version = 0
         self.committed_groups = 0
@@ -86,6 +111,11 @@ class Controller:
         self._draining = False
         self._changed = anyio.Event()
         self._generated_tokens_seen = 0
+        self._checkpoint_due: Reason | None = None
+        self._last_step_mark = (time.monotonic(), 0, 0)
+        for phase in ("resolve", "dataloader", "tq", "replay_metadata", "ledger", "total"):
+            metrics.restore_phase.labels(phase)
+        self._writer_group: anyio.abc.TaskGroup | None = None
 
     @classmethod
     @asynccontextmanager
@@ -103,6 +133,31 @@ class Controller:
             finally:
                 with anyio.CancelScope(shield=True):
                     await backend.aclose()
+
+    async def restore(self, restore_from: Path | None = None, allow_config_change: bool = False) -> None:
+        """Restore the newest finalized bundle (or ``restore_from``) before any pump runs."""
+        if self.checkpointer is None and restore_from is None:
+            return
+        report = await restore_controller(self, restore_from, allow_config_change)
+        if report is None:
+            return
+        if self.checkpointer is not None:
+            self.checkpointer.last_completed_step = report.step
+        for phase, seconds in report.phases.items():
+            metrics.restore_phase.labels(phase).observe(seconds)
+        metrics.recovery_groups_restored.set(report.groups_restored)
+        metrics.recovery_groups_evicted_stale.set(report.groups_evicted_stale)
+        metrics.recovery_prompts_redispatched.set(report.prompts_redispatched)
+        self._publish_gauges()
+        log.info("restored %s: step %d, %d groups ready, %d evicted stale, %d prompts to redispatch%s (%.2fs)",
+                 report.bundle, report.step, report.groups_restored, report.groups_evicted_stale,
+                 report.prompts_redispatched, " [shadow: replay index not restored]" if report.shadow else "",
+                 report.phases["total"])
+        await self.events.emit(
+            "restore", report.step, bundle=str(report.bundle), phases=report.phases,
+            groups_restored=report.groups_restored, groups_evicted_stale=report.groups_evicted_stale,
+            prompts_redispatched=report.prompts_redispatched, shadow=report.shadow,
+        )
 
     # ---- observation -------------------------------------------------------------------------
 
@@ -260,7 +315,7 @@ class Controller:
                 while len(batch) < self.backend.batch_groups:
                     try:
                         batch.append(requests.receive_nowait())
-                    except anyio.WouldBlock:
+                    except (anyio.WouldBlock, anyio.EndOfStream):
                         break
                 # Hold the batch until a backend slot frees, so later prompts can join the next one.
                 await limiter.acquire()
@@ -274,7 +329,7 @@ class Controller:
 
     async def wait_for_batch(self, stop: anyio.Event) -> list[GroupMeta]:
         """Evict stale groups, then wait until the sampler hands out a full step (or ``stop``)."""
-        while not stop.is_set():
+        while not stop.is_set() and self._checkpoint_due is None:
             await self.evict_stale()
             batch = self.sampler.select(self.replay.groups(), self.weight_version, self.trainer_step)
             if batch:
@@ -290,6 +345,12 @@ class Controller:
             n = len(group.sample_ids)
             groups.append(rollouts_of(group, input_ids[at:at + n], logprobs[at:at + n]))
             at += n
+        # From here the step is applied whole or not at all: a drain deadline must not leave
+        # trained weights behind an unadvanced step counter.
+        with anyio.CancelScope(shield=True):
+            await self._apply_step(batch, groups)
+
+    async def _apply_step(self, batch: list[GroupMeta], groups: list[list[Rollout]]) -> None:
         result = await anyio.to_thread.run_sync(self.trainer.step, groups)
         staleness = self.weight_version - min(g.start_weight_version for g in batch)
         self.trainer_step += 1
@@ -303,24 +364,57 @@ class Controller:
         log.info("step %d version %d reward %.3f loss %.4f committed %d staleness %d replay %d",
                  self.trainer_step, self.weight_version, result.reward_mean, result.loss,
                  self.committed_groups, staleness, len(self.replay))
+        now, groups, tokens = time.monotonic(), self.committed_groups, self.backend.generated_tokens()
+        last_at, last_groups, last_tokens = self._last_step_mark
+        self._last_step_mark = (now, groups, tokens)
+        elapsed = max(now - last_at, 1e-9)
         await self.events.emit(
             "train_step", self.trainer_step, epoch=self.order.state.epoch, weight_version=self.weight_version,
             reward_mean=result.reward_mean, loss=result.loss, staleness=staleness,
             prompt_ids=[[g.epoch, g.prompt_id] for g in batch],
+            committed_groups_per_s=(groups - last_groups) / elapsed,
+            generated_tokens_per_s=(tokens - last_tokens) / elapsed,
         )
 
     async def train_pump(self, max_steps: int, stop: anyio.Event) -> None:
-        """Train until ``max_steps`` or ``stop``; always returns at a step boundary."""
+        """Train until ``max_steps`` or ``stop``; always returns at a step boundary.
+
+        A due checkpoint is taken at the boundary where the pump finds it, so the
+        policy files describe exactly the step the cut describes.
+        """
         while self.trainer_step < max_steps and not stop.is_set():
+            if self._checkpoint_due is not None and self.checkpointer is not None:
+                reason, self._checkpoint_due = self._checkpoint_due, None
+                await self.checkpointer.attempt(self, reason, self._writer_group)
             batch = await self.wait_for_batch(stop)
             if batch:
                 await self.train_step(batch)
 
+    async def checkpoint_scheduler(self, triggers: Triggers) -> None:
+        """Every ``interval_s``, or at once on request: a checkpoint falls due at the next step boundary."""
+        assert self.checkpointer is not None
+        while True:
+            with anyio.move_on_after(self.config.checkpointing.interval_s) as timer:
+                await triggers.checkpoint_now.wait()
+            triggers.checkpoint_now = anyio.Event()
+            if self._checkpoint_due is None:
+                self._checkpoint_due = Reason.INTERVAL if timer.cancelled_caught else Reason.SIGNAL
+            self._notify()
+
+    async def final_checkpoint(self, reason: Reason) -> None:
+        """Wait for a background writer, then checkpoint inline before the process exits."""
+        if self.checkpointer is None:
+            return
+        with anyio.CancelScope(shield=True):
+            await self.checkpointer.wait_idle()
+            await self.checkpointer.attempt(self, reason, writer_group=None)
+
     # ---- the task group ----------------------------------------------------------------------
 
-    async def run(self, shutdown: anyio.Event, max_steps: int | None = None,
+    async def run(self, triggers: Triggers | None = None, max_steps: int | None = None,
                   drain_deadline_s: float = DRAIN_DEADLINE_S) -> None:
-        """Run every pump until ``max_steps`` trainer steps are done or ``shutdown`` fires."""
+        """Run every pump until ``max_steps`` trainer steps are done or shutdown is triggered."""
+        triggers = triggers or Triggers()
         max_steps = max_steps if max_steps is not None else self.config.run.max_steps
         telemetry = self.config.telemetry
         stop = anyio.Event()
@@ -328,6 +422,7 @@ class Controller:
             self.config.generation.max_inflight_prompts)
         to_commit, commit_in = anyio.create_memory_object_stream[GroupResult](math.inf)
         async with anyio.create_task_group() as tg:
+            self._writer_group = tg
             self.metrics_port = await tg.start(
                 serve_http, telemetry.metrics_host, telemetry.metrics_port, lambda: True, name="http")
             tg.start_soon(self.rollout_pump, to_generation, name="rollout_pump")
@@ -335,14 +430,20 @@ class Controller:
             tg.start_soon(self.committer, commit_in, name="committer")
             tg.start_soon(self.watchdog, name="watchdog")
             tg.start_soon(self.loop_probe, name="loop_probe")
+            if self.checkpointer is not None:
+                tg.start_soon(self.checkpoint_scheduler, triggers, name="checkpoint_scheduler")
+            if telemetry.telemetry_interval_s > 0:
+                tg.start_soon(self.telemetry_sampler, telemetry.telemetry_interval_s, name="telemetry")
             train_scope = anyio.CancelScope()
-            tg.start_soon(self.drain_on, shutdown, stop, train_scope, drain_deadline_s, name="drain")
+            tg.start_soon(self.drain_on, triggers.shutdown, stop, train_scope, drain_deadline_s, name="drain")
             systemd.notify("READY=1")
             self._publish_gauges()
             with train_scope:
                 await self.train_pump(max_steps, stop)
             systemd.notify("STOPPING=1")
+            await self.final_checkpoint(Reason.SHUTDOWN if stop.is_set() else Reason.FINAL)
             tg.cancel_scope.cancel()
+        self._writer_group = None
 
     async def drain_on(self, shutdown: anyio.Event, stop: anyio.Event, train_scope: anyio.CancelScope,
                        deadline_s: float) -> None:
@@ -355,6 +456,19 @@ class Controller:
         await anyio.sleep(deadline_s)
         log.warning("drain deadline passed: stopping the train pump mid-step")
         train_scope.cancel()
+
+    async def telemetry_sampler(self, interval_s: float) -> None:
+        """Sample gauges on a wall-clock interval into /metrics and the event log; never touches checkpoints."""
+        while True:
+            await anyio.sleep(interval_s)
+            self._publish_gauges()
+            stats = self.statistics()
+            await self.events.emit(
+                "sample", self.trainer_step, weight_version=stats.weight_version, epoch=stats.epoch,
+                replay_groups=stats.replay_groups, replay_rows=stats.replay_rows, in_flight=stats.in_flight,
+                committed_groups=stats.committed_groups, generated_tokens=self.backend.generated_tokens(),
+                ledger=stats.ledger,
+            )
 
     async def watchdog(self) -> None:
         interval = systemd.watchdog_interval_s()

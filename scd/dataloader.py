@@ -39,6 +39,10 @@ class PromptOrder:
         self.state.cursor += 1
         return self.state.epoch, prompt_id
 
-    def position_of(self, epoch: int, prompt_id: int) -> tuple[int, int]:
-        """Where ``prompt_id`` sits in the visiting order, as ``(epoch, index)``."""
-        return epoch, self._permutation(epoch).index(prompt_id)
+    def ranks(self, epoch: int) -> dict[int, int]:
+        """Each prompt's position in epoch ``epoch``'s visiting order."""
+        return {prompt_id: i for i, prompt_id in enumerate(self._permutation(epoch))}
+
+    def restore(self, seed: int, epoch: int, cursor: int) -> None:
+        self.state = DataloaderState(seed=seed, epoch=epoch, cursor=cursor)
+        self._order = self._permutation(epoch)

@@ -74,6 +74,17 @@ class PromptLedger:
         entry.state = state
         entry.reason = reason
 
+    def requeue_after_shadow_restore(self, group_id: str) -> None:
+        """READY -> IN_FLIGHT, only when a gated sampler's ready groups were not restored from TQ.
+
+        Their prompts are generated again rather than lost; within the epoch they are
+        still trained once, because the unrestored rows never reach the trainer.
+        """
+        entry = self._entries[group_id]
+        if entry.state is not PromptState.READY:
+            raise InvariantViolation(f"group {group_id}: cannot requeue from {entry.state}")
+        entry.state = PromptState.IN_FLIGHT
+
     def state_of(self, group_id: str) -> PromptState | None:
         entry = self._entries.get(group_id)
         return entry.state if entry else None

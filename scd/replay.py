@@ -98,3 +98,14 @@ class ReplayIndex:
             h.update(msgspec.json.encode(self._groups[group_id], order="sorted"))
             h.update(b"\n")
         return h.hexdigest()
+
+
+def require_exact_inventory(expected: set[str], actual: set[str], where: str) -> None:
+    """Exact inventory: TQ's canonical ids must equal the replay index's, no more and no fewer."""
+    missing = sorted(expected - actual)
+    unexpected = sorted(actual - expected)
+    if missing or unexpected:
+        raise InvariantViolation(
+            f"{where}: replay index and TransferQueue disagree: {len(missing)} missing from TQ "
+            f"(first: {missing[:10]}), {len(unexpected)} unexpected in TQ (first: {unexpected[:10]})"
+        )

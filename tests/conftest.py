@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import signal
@@ -9,9 +10,11 @@ import socket
 import subprocess
 import sys
 import time
+import tomllib
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -133,3 +136,26 @@ def scd_processes() -> Iterator[list[ScdProcess]]:
     for p in started:
         # Also reaps Ray processes a killed scd left behind in its process group.
         p.kill_group()
+
+
+def tiny_config(tmp_path: Path, partition: str, **sections: dict[str, object]) -> Any:
+    """configs/tiny.toml with this test's output dir and TQ partition, and section overrides."""
+    from scd.config import parse_config
+
+    data = tomllib.loads((REPO / "configs" / "tiny.toml").read_text())
+    data["run"]["output_dir"] = str(tmp_path / "out")
+    data["data_plane"]["partition"] = partition
+    data["telemetry"]["metrics_port"] = 0
+    for section, values in sections.items():
+        data.setdefault(section, {}).update(values)
+    return parse_config(data, REPO / "configs")
+
+
+def tree_digest(root: Path) -> str:
+    """One digest over every file name and content under ``root``."""
+    h = hashlib.sha256()
+    for path in sorted(root.rglob("*")):
+        h.update(str(path.relative_to(root)).encode())
+        if path.is_file():
+            h.update(path.read_bytes())
+    return h.hexdigest()

@@ -2,26 +2,13 @@
 
 from __future__ import annotations
 
-import tomllib
 from pathlib import Path
 
-import anyio
 import orjson
 
-from scd.config import Config, parse_config
 from scd.daemon import Controller
 from scd.ledger import PromptState
-from tests.conftest import REPO
-
-
-def tiny_config(tmp_path: Path, partition: str, **sections: dict[str, object]) -> Config:
-    data = tomllib.loads((REPO / "configs" / "tiny.toml").read_text())
-    data["run"]["output_dir"] = str(tmp_path / "out")
-    data["data_plane"]["partition"] = partition
-    data["telemetry"]["metrics_port"] = 0
-    for section, values in sections.items():
-        data[section].update(values)
-    return parse_config(data, REPO / "configs")
+from tests.conftest import tiny_config
 
 
 def read_events(path: Path) -> list[dict[str, object]]:
@@ -32,7 +19,7 @@ async def test_reward_rises_and_the_books_balance(tmp_path: Path, partition: str
     config = tiny_config(tmp_path, partition)
     steps = 110
     async with Controller.open(config) as controller:
-        await controller.run(anyio.Event(), max_steps=steps)
+        await controller.run(max_steps=steps)
         stats = controller.statistics()
         tq_ids = await controller.dataplane.list_ids()
         replay_ids = controller.replay.sample_ids()

@@ -9,6 +9,10 @@ import time
 import urllib.request
 from pathlib import Path
 
+import orjson
+
+from scd.checkpoint import layout
+from scd.checkpoint.verify import verify_bundle
 from tests.conftest import ScdProcess, free_port, write_config
 
 
@@ -66,3 +70,53 @@ def test_sigterm_drains_and_exits_zero_with_sd_notify(tmp_path: Path, scd_proces
     assert messages[0] == "READY=1"
     assert messages.count("WATCHDOG=1") >= 2
     assert "STOPPING=1" in messages
+
+
+CHECKPOINT_EVERY_SECOND = "\n[checkpointing]\nenabled = true\ninterval_s = 1\nkeep_last = 3\n"
+
+
+def test_sigkill_then_a_fresh_process_continues_from_the_checkpoint(
+    tmp_path: Path, scd_processes: list[ScdProcess]
+) -> None:
+    config = write_config(tmp_path, max_steps=100_000, extra=CHECKPOINT_EVERY_SECOND)
+    root = tmp_path / "out" / "checkpoints"
+    first = ScdProcess(config)
+    scd_processes.append(first)
+    first.wait_for_line("checkpoint step_")
+    first.wait_for_line("step 5 ")
+    first.kill_group()  # SIGKILL: scd and the Ray it started, mid-whatever it was doing
+    bundles = layout.finalized_bundles(root)
+    assert bundles, "no finalized bundle before the kill"
+    k = layout.step_of(bundles[-1])
+    assert k is not None
+
+    second = ScdProcess(config, "--max-steps", str(k + 2))
+    scd_processes.append(second)
+    assert second.wait(timeout=300) == 0, second.output()[-3000:]
+    out = second.output()
+    assert f"restored {bundles[-1]}: step {k}," in out
+    assert f"step {k + 1} version {k + 1} " in out and f"step {k + 2} version {k + 2} " in out
+    assert f"step {k} version" not in out, "a restored step was trained again"
+    final = layout.step_dir(root, k + 2)
+    verify_bundle(final)
+    events = [orjson.loads(line) for line in (tmp_path / "out" / "events.jsonl").read_text().splitlines()]
+    restores = [e for e in events if e["event"] == "restore"]
+    assert restores and restores[-1]["step"] == k
+
+
+def test_sigusr1_produces_a_new_finalized_bundle(tmp_path: Path, scd_processes: list[ScdProcess]) -> None:
+    config = write_config(tmp_path, max_steps=100_000,
+                          extra="\n[checkpointing]\nenabled = true\ninterval_s = 3600\n")
+    root = tmp_path / "out" / "checkpoints"
+    scd = ScdProcess(config)
+    scd_processes.append(scd)
+    scd.wait_for_line("step 3 ")
+    assert layout.finalized_bundles(root) == []
+    scd.signal(signal.SIGUSR1)
+    scd.wait_for_line("(signal)")
+    [bundle] = layout.finalized_bundles(root)
+    verify_bundle(bundle)
+    scd.signal(signal.SIGTERM)
+    assert scd.wait(timeout=60) == 0, scd.output()[-3000:]
+    assert "(shutdown)" in scd.output()
+    assert len(layout.finalized_bundles(root)) == 2

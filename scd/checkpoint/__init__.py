@@ -1,0 +1,1 @@
+"""Checkpoint bundles: layout, save (one cut + async writer), restore, offline verify."""

@@ -1,0 +1,36 @@
+"""Read-only views of bundles for the ``scd checkpoint`` commands."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from scd.checkpoint import layout
+from scd.checkpoint.verify import BundleError, verify_bundle
+
+
+def list_bundles(root: Path) -> list[dict[str, object]]:
+    """Every step directory under ``root``, finalized or not, newest last."""
+    latest = (root / layout.LATEST).read_text().strip() if (root / layout.LATEST).is_file() else None
+    rows = []
+    for path in sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith("step_")):
+        finalized = (path / layout.COMMIT_MARKER).is_file() and not path.name.endswith(".tmp")
+        rows.append({"name": path.name, "finalized": finalized, "latest": path.name == latest,
+                     "bytes": layout.dir_bytes(path)})
+    return rows
+
+
+def inspect_bundle(path: Path) -> dict[str, object]:
+    """A verified bundle's summary; raises ``BundleError`` for one that does not verify."""
+    verified = verify_bundle(path)
+    info = verified.info
+    return {
+        "path": str(path), "step": info["step"], "weight_version": info["weight_version"], "epoch": info["epoch"],
+        "sampler": info["sampler"], "supports_replay_checkpoint": info["supports_replay_checkpoint"],
+        "partition": info["partition"], "groups": info["groups"], "samples": info["samples"],
+        "ledger": verified.ledger.counts(), "sidecar_bytes": (path / layout.SIDECAR_FILE).stat().st_size,
+        "data_plane_bytes": layout.dir_bytes(path / layout.DATA_PLANE_DIR), "digest": info["replay_digest"],
+        "capacity": info["capacity"], "time": info["time"], "config_fingerprint": info["config_fingerprint"],
+    }
+
+
+__all__ = ["BundleError", "inspect_bundle", "list_bundles"]

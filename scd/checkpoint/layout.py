@@ -1,0 +1,101 @@
+"""Where a bundle's files live, and how a directory becomes a finalized bundle.
+
+A bundle is written into ``step_N.tmp/`` and renamed to ``step_N/`` once every
+file is on disk and fsynced; the last file written before the rename is the
+commit marker.  A directory without the marker, or still named ``*.tmp``, is
+never restored.  ``latest`` is a hint only: resolution trusts the directories.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+from pathlib import Path
+
+SCHEMA_VERSION = 1
+POLICY_DIR = "policy"
+MODEL_FILE = "policy/model.pt"
+OPTIMIZER_FILE = "policy/optimizer.pt"
+DATALOADER_FILE = "train_dataloader.json"
+TRAINING_INFO_FILE = "training_info.json"
+SIDECAR_FILE = "replay_buffer_metadata.json"
+DATA_PLANE_DIR = "data_plane"
+COMMIT_MARKER = "COMMITTED"
+LEGACY_REPLAY_FILE = "replay_buffer.pt"
+LATEST = "latest"
+
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+DIR_MODE = 0o700
+
+
+def step_dir(root: Path, step: int) -> Path:
+    return root / f"step_{step:08d}"
+
+
+def tmp_dir(root: Path, step: int) -> Path:
+    return root / f"step_{step:08d}.tmp"
+
+
+def step_of(path: Path) -> int | None:
+    match = _STEP_DIR.match(path.name)
+    return int(match.group(1)) if match else None
+
+
+def finalized_bundles(root: Path) -> list[Path]:
+    """Finalized bundles, oldest first."""
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if p.is_dir() and step_of(p) is not None and (p / COMMIT_MARKER).is_file()]
+    return sorted(found, key=lambda p: step_of(p) or 0)
+
+
+def leftover_tmp_dirs(root: Path) -> list[Path]:
+    return sorted(p for p in root.iterdir() if p.is_dir() and p.name.endswith(".tmp")) if root.is_dir() else []
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def bundle_files(bundle: Path) -> dict[str, str]:
+    """SHA-256 of every file in the bundle except training_info and the marker, by relative path."""
+    skip = {TRAINING_INFO_FILE, COMMIT_MARKER}
+    return {
+        str(p.relative_to(bundle)): sha256_file(p)
+        for p in sorted(bundle.rglob("*")) if p.is_file() and str(p.relative_to(bundle)) not in skip
+    }
+
+
+def dir_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(root: Path) -> None:
+    """fsync every file and directory under ``root`` (TQ writes without fsync)."""
+    for p in sorted(root.rglob("*"), reverse=True):
+        fsync_path(p)
+    fsync_path(root)
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    """Replace ``path`` with ``data``: write a sibling, fsync, rename, fsync the directory."""
+    tmp = path.with_name(path.name + ".partial")
+    with tmp.open("wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_path(path.parent)

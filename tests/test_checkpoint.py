@@ -1,0 +1,392 @@
+"""Checkpoint bundles on the session's real TQ: round trips, every validation failure, retries.
+
+A golden bundle is made once per module by a real controller run; each test
+copies it, edits the copy the way a disk, an operator or a bug would, and
+restores it into a fresh controller.
+"""
+
+from __future__ import annotations
+
+import errno
+import shutil
+import subprocess
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import anyio
+import orjson
+import pytest
+import pytest_asyncio
+import torch
+from prometheus_client import REGISTRY
+
+from scd.checkpoint import layout
+from scd.checkpoint.checkpointer import CheckpointFailed
+from scd.checkpoint.save import Outcome, Reason
+from scd.config import DataPlaneConfig
+from scd.daemon import Controller, Triggers
+from scd.dataplane import DataPlane
+from scd.errors import InvariantViolation
+from scd.ledger import PromptState
+from scd.replay import GroupMeta, ReplayIndex
+from tests.conftest import REPO, SCD, tiny_config, tree_digest
+
+PARTITION = "ckpt-golden"
+CHECKPOINTING = {"enabled": True, "interval_s": 3600, "keep_last": 3}
+
+
+def config_for(root: Path, **sections: dict[str, object]) -> Any:
+    sections["checkpointing"] = {**CHECKPOINTING, "dir": str(root), **sections.get("checkpointing", {})}
+    sections.setdefault("trainer", {}).update({"groups_per_step": 8})
+    return tiny_config(root.parent, PARTITION, **sections)
+
+
+async def clear_partition(partition: str = PARTITION) -> None:
+    await DataPlane(DataPlaneConfig(partition=partition)).clear_all()
+
+
+async def read_rows(controller: Controller, ids: list[str]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    data = await controller.dataplane.get_rows(ids)
+    return {sid: (a, b) for sid, a, b in zip(ids, data["input_ids"].unbind(), data["logprobs"].unbind(),
+                                             strict=True)}
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="session")
+async def golden(tq_session: None, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """Two finalized bundles (steps 3 and 6) from a real run, and the TQ rows at the last one."""
+    root = tmp_path_factory.mktemp("golden") / "checkpoints"
+    await clear_partition()
+    config = config_for(root)
+    async with Controller.open(config) as controller:
+        await controller.run(max_steps=3)
+        await controller.run(max_steps=6)
+        bundles = layout.finalized_bundles(root)
+        sidecar = orjson.loads((bundles[-1] / layout.SIDECAR_FILE).read_bytes())
+        ids = sorted(sid for g in sidecar["groups"] for sid in g["sample_ids"])
+        rows = await read_rows(controller, ids)
+    await clear_partition()
+    assert [layout.step_of(b) for b in bundles] == [3, 6]
+    return {"root": root, "rows": rows, "groups": len(sidecar["groups"])}
+
+
+def copy_bundles(golden: dict[str, Any], tmp_path: Path) -> Path:
+    root = tmp_path / "checkpoints"
+    shutil.copytree(golden["root"], root)
+    return root
+
+
+def newest(root: Path) -> Path:
+    return layout.finalized_bundles(root)[-1]
+
+
+def reseal(bundle: Path) -> None:
+    """Re-sign a bundle after an edit, as a consistent-but-wrong bundle would be."""
+    info = orjson.loads((bundle / layout.TRAINING_INFO_FILE).read_bytes())
+    info["files"] = layout.bundle_files(bundle)
+    (bundle / layout.TRAINING_INFO_FILE).write_bytes(orjson.dumps(info))
+    (bundle / layout.COMMIT_MARKER).write_text(layout.sha256_file(bundle / layout.TRAINING_INFO_FILE))
+
+
+def edit_json(bundle: Path, name: str, change: Callable[[dict[str, Any]], None], seal: bool = True) -> None:
+    path = bundle / name
+    data = orjson.loads(path.read_bytes())
+    change(data)
+    path.write_bytes(orjson.dumps(data))
+    if seal:
+        reseal(bundle)
+
+
+def set_digest(sidecar: dict[str, Any], bundle: Path) -> None:
+    """Keep the replay digest and counts consistent with an edited group list."""
+    index = ReplayIndex()
+    for g in sidecar["groups"]:
+        index.add(GroupMeta(**{**g, "sample_ids": tuple(g["sample_ids"])}))
+    sidecar["replay_digest"] = index.digest()
+    info_path = bundle / layout.TRAINING_INFO_FILE
+    info = orjson.loads(info_path.read_bytes())
+    info.update(replay_digest=index.digest(), groups=len(index), samples=index.rows)
+    info_path.write_bytes(orjson.dumps(info))
+
+
+async def restore_into_fresh_controller(config: Any, **kwargs: Any) -> Controller:
+    await clear_partition(config.data_plane.partition)
+    async with Controller.open(config) as controller:
+        await controller.restore(**kwargs)
+        return controller
+
+
+async def test_restore_gives_back_every_row_tensor_for_tensor(golden: dict[str, Any], tmp_path: Path) -> None:
+    root = copy_bundles(golden, tmp_path)
+    # A window wide enough that no restored group is evicted as stale, so all of them can be compared.
+    config = config_for(root, async_rl={"sampler": {"name": "windowed", "max_staleness_versions": 100}})
+    await clear_partition()
+    async with Controller.open(config) as controller:
+        await controller.restore(allow_config_change=True)
+        assert controller.trainer_step == 6
+        assert controller.weight_version == 6
+        rows = await read_rows(controller, sorted(controller.replay.sample_ids()))
+        ready = controller.ledger.in_state(PromptState.READY)
+        # Training goes on from the restored state: two more steps, then a final bundle.
+        await controller.run(max_steps=8)
+        assert controller.trainer_step == 8
+    before = golden["rows"]
+    assert set(rows) == set(before) and len(rows) > 0
+    for sid, (ids, logprobs) in rows.items():
+        assert torch.equal(ids, before[sid][0])
+        assert torch.equal(logprobs, before[sid][1])
+    assert len(ready) == golden["groups"]
+    assert [layout.step_of(b) for b in layout.finalized_bundles(root)] == [3, 6, 8]
+
+
+BROKEN: list[tuple[str, Callable[[Path], None], str]] = [
+    ("schema version",
+     lambda b: edit_json(b, layout.TRAINING_INFO_FILE, lambda d: d.update(schema_version=99), seal=False),
+     "schema_version 99"),
+    ("truncated sidecar",
+     lambda b: (b / layout.SIDECAR_FILE).write_bytes((b / layout.SIDECAR_FILE).read_bytes()[:100]),
+     "does not match its SHA-256"),
+    ("truncated and resealed sidecar",
+     lambda b: ((b / layout.SIDECAR_FILE).write_bytes((b / layout.SIDECAR_FILE).read_bytes()[:100]), reseal(b)),
+     "not valid JSON"),
+    ("wrong digest",
+     lambda b: edit_json(b, layout.SIDECAR_FILE, lambda d: d["groups"][0].update(rewards=[9.0] * 8)),
+     "replay digest mismatch"),
+    ("group count",
+     lambda b: edit_json(b, layout.TRAINING_INFO_FILE, lambda d: d.update(groups=d["groups"] + 1)),
+     "training_info says"),
+    ("epoch",
+     lambda b: edit_json(b, layout.DATALOADER_FILE, lambda d: d.update(epoch=d["epoch"] + 1)),
+     "dataloader epoch differs"),
+    ("tampered data_plane file",
+     lambda b: next(p for p in (b / layout.DATA_PLANE_DIR).rglob("*.pkl")).write_bytes(b"\x80\x04evil"),
+     "data_plane/"),
+    ("extra data_plane file",
+     lambda b: (b / layout.DATA_PLANE_DIR / "extra.pkl").write_bytes(b"x"),
+     "unexpected files"),
+    ("legacy replay_buffer.pt",
+     lambda b: torch.save({"rows": torch.zeros(2)}, b / layout.LEGACY_REPLAY_FILE),
+     "legacy tensor-bearing replay_buffer.pt"),
+    ("edited after finalize",
+     lambda b: edit_json(b, layout.TRAINING_INFO_FILE, lambda d: d.update(step=d["step"] + 1), seal=False),
+     "does not match its commit marker"),
+    ("cursor behind a restored prompt",
+     lambda b: edit_json(b, layout.DATALOADER_FILE, lambda d: d.update(cursor=0)),
+     "behind restored prompt"),
+]
+
+
+@pytest.mark.parametrize(("name", "breaker", "message"), BROKEN, ids=[b[0] for b in BROKEN])
+async def test_broken_bundle_is_refused_and_left_untouched(golden: dict[str, Any], tmp_path: Path, name: str,
+                                                           breaker: Callable[[Path], None], message: str) -> None:
+    root = copy_bundles(golden, tmp_path)
+    bundle = newest(root)
+    breaker(bundle)
+    before = tree_digest(root)
+    with pytest.raises(InvariantViolation) as info:
+        await restore_into_fresh_controller(config_for(root), restore_from=bundle)
+    assert message in str(info.value)
+    assert str(bundle) in str(info.value)
+    assert tree_digest(root) == before
+
+
+def _drop_first_group(bundle: Path) -> None:
+    def change(sidecar: dict[str, Any]) -> None:
+        dropped = sidecar["groups"].pop(0)
+        for entry in sidecar["ledger"]["entries"]:
+            if entry[0] == dropped["group_id"]:
+                entry[3] = "consumed"
+        set_digest(sidecar, bundle)
+    edit_json(bundle, layout.SIDECAR_FILE, change)
+
+
+def _invent_a_group(bundle: Path) -> None:
+    def change(sidecar: dict[str, Any]) -> None:
+        ghost = dict(sidecar["groups"][0])
+        ghost.update(group_id="e0-p9999", sample_ids=[f"e0-p9999/{i}" for i in range(len(ghost["sample_ids"]))],
+                     prompt_id=9999)
+        sidecar["groups"].append(ghost)
+        sidecar["ledger"]["entries"].append(["e0-p9999", 0, 9999, "ready", "", None])
+        set_digest(sidecar, bundle)
+    edit_json(bundle, layout.SIDECAR_FILE, change)
+
+
+@pytest.mark.parametrize(("breaker", "message"), [
+    (_drop_first_group, "1 unexpected in TQ"),
+    (_invent_a_group, "8 missing from TQ"),
+], ids=["unexpected TQ rows", "missing TQ rows"])
+async def test_inventory_mismatch_with_tq_is_refused(golden: dict[str, Any], tmp_path: Path,
+                                                     breaker: Callable[[Path], None], message: str) -> None:
+    root = copy_bundles(golden, tmp_path)
+    bundle = newest(root)
+    breaker(bundle)
+    before = tree_digest(root)
+    with pytest.raises(InvariantViolation, match="replay index and TransferQueue disagree") as info:
+        await restore_into_fresh_controller(config_for(root))
+    assert message.split(" ", 1)[1] in str(info.value)
+    assert tree_digest(root) == before
+
+
+@pytest.mark.parametrize(("sections", "message"), [
+    ({"async_rl": {"sampler": {"name": "weight_fifo", "max_staleness_versions": 1}}}, "sampler 'windowed'"),
+    ({"async_rl": {"buffer_capacity_groups": 8}}, "async_rl.buffer_capacity_groups = 8"),
+    ({"generation": {"group_size": 4}}, "generation.group_size"),
+], ids=["sampler changed", "capacity too small", "fingerprint changed"])
+async def test_config_that_does_not_fit_the_bundle_is_refused(golden: dict[str, Any], tmp_path: Path,
+                                                              sections: dict[str, Any], message: str) -> None:
+    root = copy_bundles(golden, tmp_path)
+    with pytest.raises(InvariantViolation, match=r"checkpoint .*step_00000006") as info:
+        await restore_into_fresh_controller(config_for(root, **sections))
+    assert message in str(info.value)
+
+
+async def test_partition_changed_is_refused(golden: dict[str, Any], tmp_path: Path) -> None:
+    root = copy_bundles(golden, tmp_path)
+    config = config_for(root)
+    config.data_plane.partition = "another"
+    with pytest.raises(InvariantViolation, match="holds TQ partition 'ckpt-golden'"):
+        await restore_into_fresh_controller(config)
+
+
+async def test_corrupt_newest_names_the_newest_good_bundle(golden: dict[str, Any], tmp_path: Path) -> None:
+    root = copy_bundles(golden, tmp_path)
+    (newest(root) / layout.SIDECAR_FILE).write_bytes(b"{")
+    with pytest.raises(InvariantViolation) as info:
+        await restore_into_fresh_controller(config_for(root))
+    text = str(info.value)
+    assert "step_00000006" in text and "--restore-from" in text and str(root / "step_00000003") in text
+    controller = await restore_into_fresh_controller(config_for(root), restore_from=root / "step_00000003")
+    assert controller.trainer_step == 3
+
+
+async def test_leftover_tmp_is_removed_and_never_restored(golden: dict[str, Any], tmp_path: Path) -> None:
+    root = copy_bundles(golden, tmp_path)
+    shutil.copytree(newest(root), root / "step_00000009.tmp")
+    controller = await restore_into_fresh_controller(config_for(root))
+    assert controller.trainer_step == 6
+    assert not (root / "step_00000009.tmp").exists()
+
+
+async def test_no_artifact_starts_empty(tmp_path: Path, tq_session: None) -> None:
+    controller = await restore_into_fresh_controller(config_for(tmp_path / "nothing-here"))
+    assert controller.trainer_step == 0 and len(controller.replay) == 0
+
+
+async def test_gated_sampler_restores_in_shadow_mode(tmp_path: Path, tq_session: None) -> None:
+    root = tmp_path / "checkpoints"
+    sampler = {"sampler": {"name": "in_order", "max_staleness_versions": 1}}
+    config = config_for(root, async_rl=sampler)
+    await clear_partition()
+    async with Controller.open(config) as controller:
+        await controller.run(max_steps=3)
+        ready_before = set(controller.ledger.in_state(PromptState.READY))
+        in_flight_before = set(controller.ledger.in_state(PromptState.IN_FLIGHT))
+    info = orjson.loads((newest(root) / layout.TRAINING_INFO_FILE).read_bytes())
+    assert info["supports_replay_checkpoint"] is False
+    assert (newest(root) / layout.DATA_PLANE_DIR).is_dir()
+    controller = await restore_into_fresh_controller(config_for(root, async_rl=sampler))
+    assert len(controller.replay) == 0
+    assert set(controller.ledger.in_state(PromptState.IN_FLIGHT)) == ready_before | in_flight_before
+    targets = sorted(controller.ledger.entry(g).target_step for g in ready_before | in_flight_before)
+    assert targets[0] == 3
+
+
+async def test_io_failures_are_retried_then_stop_the_daemon_leaving_bundles_intact(
+    golden: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    root = copy_bundles(golden, tmp_path)
+    before = tree_digest(root)
+
+    def disk_full(path: Path) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device (injected)", str(path))
+
+    monkeypatch.setattr(layout, "fsync_tree", disk_full)
+    config = config_for(root, checkpointing={"max_consecutive_failures": 2, "interval_s": 0.2})
+    await clear_partition()
+    with pytest.raises(BaseExceptionGroup) as info:
+        async with Controller.open(config) as controller:
+            await controller.restore()
+            await controller.run(Triggers(), max_steps=10_000)
+    failed = info.value.subgroup(CheckpointFailed)
+    assert failed is not None and "2 consecutive checkpoint failures (last: disk_full" in str(failed.exceptions[0])
+    assert controller.checkpointer is not None
+    assert controller.checkpointer.statistics().failed == 2
+    assert tree_digest(root) == before
+    assert not layout.leftover_tmp_dirs(root)
+
+
+@pytest.mark.parametrize(("name", "breaker", "message"), BROKEN[:3] + BROKEN[6:10], ids=[
+    b[0] for b in BROKEN[:3] + BROKEN[6:10]])
+def test_scd_checkpoint_verify_rejects_offline(golden: dict[str, Any], tmp_path: Path, name: str,
+                                               breaker: Callable[[Path], None], message: str) -> None:
+    root = copy_bundles(golden, tmp_path)
+    good = subprocess.run([*SCD, "checkpoint", "verify", str(newest(root))], cwd=REPO, capture_output=True,
+                          text=True, timeout=120)
+    assert good.returncode == 0, good.stderr
+    breaker(newest(root))
+    bad = subprocess.run([*SCD, "checkpoint", "verify", str(newest(root))], cwd=REPO, capture_output=True,
+                         text=True, timeout=120)
+    assert bad.returncode == 3
+    assert message in bad.stderr
+
+
+def test_scd_checkpoint_inspect_and_list(golden: dict[str, Any]) -> None:
+    root = golden["root"]
+    out = subprocess.run([*SCD, "checkpoint", "inspect", str(newest(root)), "--json"], cwd=REPO,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    summary = orjson.loads(out.stdout)
+    for key in ("step", "weight_version", "epoch", "sampler", "groups", "samples", "ledger", "sidecar_bytes",
+                "data_plane_bytes", "digest"):
+        assert key in summary
+    assert summary["step"] == 6 and summary["sampler"] == "windowed"
+    assert summary["ledger"]["ready"] == summary["groups"] == golden["groups"]
+    listing = subprocess.run([*SCD, "checkpoint", "list", str(root)], cwd=REPO, capture_output=True, text=True,
+                             timeout=120)
+    assert listing.returncode == 0
+    assert "step_00000006" in listing.stdout and "latest" in listing.stdout
+
+
+async def test_checkpoint_requests_coalesce_and_land_at_step_boundaries(tmp_path: Path, tq_session: None) -> None:
+    root = tmp_path / "checkpoints"
+    config = config_for(root)
+    await clear_partition()
+    triggers = Triggers()
+    async with Controller.open(config) as controller:
+
+        async def operator() -> None:
+            while controller.trainer_step < 2:
+                await anyio.sleep(0.01)
+            for _ in range(3):
+                triggers.request_checkpoint()
+            while not layout.finalized_bundles(root):
+                await anyio.sleep(0.01)
+            signal_step = layout.step_of(layout.finalized_bundles(root)[0])
+            while controller.trainer_step <= (signal_step or 0):
+                await anyio.sleep(0.01)
+            triggers.shutdown.set()
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(operator)
+            await controller.run(triggers, max_steps=10_000)
+    events = [orjson.loads(line) for line in Path(config.telemetry.events_path).read_text().splitlines()]
+    done = [(e["reason"], e["step"]) for e in events if e["event"] == "checkpoint" and e["outcome"] == "completed"]
+    assert [reason for reason, _ in done] == ["signal", "shutdown"]
+    # The bundle's step is the trainer step of the cut, and its weights are that step's weights.
+    signal_step = done[0][1]
+    info = orjson.loads((layout.step_dir(root, signal_step) / layout.TRAINING_INFO_FILE).read_bytes())
+    assert info["step"] == info["weight_version"] == signal_step
+
+
+async def test_an_attempt_without_progress_is_skipped_with_its_reason(golden: dict[str, Any], tmp_path: Path) -> None:
+    root = copy_bundles(golden, tmp_path)
+    before = tree_digest(root)
+    labels = {"outcome": "skipped", "reason": "no_progress"}
+    count_before = REGISTRY.get_sample_value("scd_checkpoint_attempts_total", labels) or 0.0
+    await clear_partition()
+    async with Controller.open(config_for(root)) as controller:
+        await controller.restore()
+        assert controller.checkpointer is not None
+        assert await controller.checkpointer.attempt(controller, Reason.SIGNAL, None) is Outcome.SKIPPED
+    assert REGISTRY.get_sample_value("scd_checkpoint_attempts_total", labels) == count_before + 1
+    assert tree_digest(root) == before
