@@ -32,3 +32,45 @@ loop_stall = Histogram(
     "scd_event_loop_stall_seconds", "How late the event loop woke a periodic probe",
     buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 5),
 )
+
+# ---- checkpointing ----------------------------------------------------------------------------
+_PHASE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+checkpoint_phase = Histogram(
+    "scd_checkpoint_phase_seconds", "Time of each checkpoint phase", ["phase"], buckets=_PHASE_BUCKETS
+)
+checkpoint_attempts = Counter(
+    "scd_checkpoint_attempts", "Checkpoint attempts by outcome and reason", ["outcome", "reason"]
+)
+checkpoint_blocked_mutations = Counter(
+    "scd_checkpoint_blocked_mutations", "Mutations that waited for a checkpoint's exclusive hold", ["kind"]
+)
+checkpoint_mutation_wait = Histogram(
+    "scd_checkpoint_mutation_wait_seconds", "How long a blocked mutation waited", buckets=_PHASE_BUCKETS
+)
+last_checkpoint_timestamp = Gauge(
+    "scd_last_checkpoint_timestamp_seconds", "Wall-clock time of the last completed checkpoint"
+)
+checkpoint_sidecar_bytes = Gauge("scd_checkpoint_sidecar_bytes", "Bytes of the last replay metadata sidecar")
+checkpoint_data_plane_bytes = Gauge("scd_checkpoint_data_plane_bytes", "Bytes of the last TQ native snapshot")
+checkpoint_interval = Gauge("scd_checkpoint_interval_seconds", "Configured checkpoint interval")
+checkpoint_effective_cadence = Gauge(
+    "scd_checkpoint_effective_cadence_seconds", "Time between the last two completed checkpoints"
+)
+
+# ---- restore -----------------------------------------------------------------------------------
+restore_phase = Histogram(
+    "scd_restore_phase_seconds", "Time of each restore phase", ["phase"], buckets=_PHASE_BUCKETS
+)
+recovery_groups_restored = Gauge("scd_recovery_groups_restored", "Ready groups restored at the last start")
+recovery_groups_evicted_stale = Gauge(
+    "scd_recovery_groups_evicted_stale", "Restored groups evicted as stale at the last start"
+)
+recovery_prompts_redispatched = Gauge(
+    "scd_recovery_prompts_redispatched", "In-flight prompts dispatched again at the last start"
+)
+recovery_siblings_reused = Counter(
+    "scd_recovery_siblings_reused", "Finished siblings of unfinished groups reused after a restart"
+)
+recovery_siblings_rerun = Counter(
+    "scd_recovery_siblings_rerun", "Siblings generated again after a restart"
+)

@@ -1,0 +1,330 @@
+"""Offline report over scd's JSONL event log: PNG plots plus a fixed-width summary table.
+
+Reads the log that ``scd.telemetry.events.EventLog`` appends across restarts and draws, against
+wall-clock seconds since the first event, the reward, the training throughput, each checkpoint
+phase and each restore phase. Process starts and restores are drawn as dashed vertical lines on
+every plot, so the cost of a restart shows up where it happened. matplotlib is an optional extra
+(``scd[report]``) and is imported only when a report is written.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from operator import attrgetter
+from pathlib import Path
+from statistics import fmean
+from typing import TYPE_CHECKING, Any
+
+import orjson
+
+from scd.errors import ScdError
+
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
+
+CHECKPOINT_PHASES = ("total", "tq_save", "barrier_wait", "exclusive_hold", "sidecar_write", "commit")
+RESTORE_PHASES = ("resolve", "dataloader", "tq", "replay_metadata", "ledger", "total")
+RATE_FIELDS = ("committed_groups_per_s", "generated_tokens_per_s", "committed_tokens_per_s")
+FINAL_REWARD_STEPS = 10
+RATE_WINDOW_STEPS = 10  # steps per minute over the last this-many train steps
+
+_KNOWN_EVENTS = frozenset({"start", "restore", "train_step", "checkpoint", "sample"})
+_OUTCOMES = ("completed", "skipped", "failed")
+_OUTCOME_STYLE = {"skipped": ("tab:gray", 0.92), "failed": ("tab:red", 0.97)}  # colour, height in axes
+_TIME_LABEL = "wall-clock time since first event (s)"
+
+
+@dataclass(frozen=True)
+class _TrainStep:
+    time: float
+    step: int
+    reward_mean: float
+    rates: dict[str, float]
+
+
+@dataclass(frozen=True)
+class _Checkpoint:
+    time: float
+    outcome: str
+    reason: str
+    phases: dict[str, float]
+
+
+@dataclass(frozen=True)
+class _Restore:
+    time: float
+    phases: dict[str, float]
+
+
+@dataclass
+class _Run:
+    """Every recognised event of one log, each series sorted by time; times are absolute."""
+
+    times: list[float] = field(default_factory=list)
+    starts: list[float] = field(default_factory=list)
+    restores: list[_Restore] = field(default_factory=list)
+    train_steps: list[_TrainStep] = field(default_factory=list)
+    checkpoints: list[_Checkpoint] = field(default_factory=list)
+
+    @property
+    def t0(self) -> float:
+        return min(self.times)
+
+    @property
+    def span(self) -> float:
+        return max(self.times) - self.t0
+
+    def since_start(self, times: Sequence[float]) -> list[float]:
+        return [t - self.t0 for t in times]
+
+    def add(self, record: dict[str, Any]) -> None:
+        """Add one decoded line; unknown kinds are ignored, malformed known ones raise ValueError."""
+        kind = record.get("event")
+        if kind not in _KNOWN_EVENTS:
+            return
+        time = _number(record, "time")
+        self.times.append(time)
+        if kind == "start":
+            self.starts.append(time)
+        elif kind == "restore":
+            self.restores.append(_Restore(time, _phases(record)))
+        elif kind == "train_step":
+            rates = {name: _number(record, name) for name in RATE_FIELDS if record.get(name) is not None}
+            self.train_steps.append(_TrainStep(time, int(_number(record, "step")), _number(record, "reward_mean"),
+                                               rates))
+        elif kind == "checkpoint":
+            self.checkpoints.append(
+                _Checkpoint(time, _string(record, "outcome"), _string(record, "reason"), _phases(record)))
+
+    def sort(self) -> None:
+        by_time = attrgetter("time")
+        self.starts.sort()
+        self.restores.sort(key=by_time)
+        self.train_steps.sort(key=by_time)
+        self.checkpoints.sort(key=by_time)
+
+
+def _number(record: dict[str, Any], key: str) -> float:
+    if key not in record:
+        raise ValueError(f"missing field {key!r}")
+    value = record[key]
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ValueError(f"field {key!r} is not a number: {value!r}")
+    return float(value)
+
+
+def _string(record: dict[str, Any], key: str) -> str:
+    value = record.get(key)
+    if not isinstance(value, str):
+        raise ValueError(f"field {key!r} is not a string: {value!r}")
+    return value
+
+
+def _phases(record: dict[str, Any]) -> dict[str, float]:
+    phases = record.get("phases") or {}
+    if not isinstance(phases, dict):
+        raise ValueError(f"field 'phases' is not an object: {phases!r}")
+    return {name: _number(phases, name) for name in phases}
+
+
+def _load(path: Path) -> _Run:
+    try:
+        lines = path.read_bytes().splitlines()
+    except FileNotFoundError:
+        raise ScdError(f"{path}: event log not found") from None
+    except OSError as exc:
+        raise ScdError(f"{path}: cannot read event log: {exc}") from exc
+    run = _Run()
+    for line_no, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            record = orjson.loads(line)
+        except orjson.JSONDecodeError as exc:
+            raise ScdError(f"{path}:{line_no}: not valid JSON: {exc}") from None
+        if not isinstance(record, dict):
+            raise ScdError(f"{path}:{line_no}: not a JSON object")
+        try:
+            run.add(record)
+        except ValueError as exc:
+            raise ScdError(f"{path}:{line_no}: malformed {record.get('event')} event: {exc}") from None
+    if not run.times:
+        raise ScdError(f"{path}: event log has no scd events (empty file?)")
+    run.sort()
+    return run
+
+
+# ---- plots ------------------------------------------------------------------------------------------
+
+
+def _mark_restarts(ax: Axes, run: _Run) -> None:
+    for times, colour, label in ((run.starts, "tab:gray", "process start"),
+                                 ([r.time for r in run.restores], "tab:purple", "restore")):
+        for i, x in enumerate(run.since_start(times)):
+            ax.axvline(x, color=colour, linestyle="--", linewidth=1, alpha=0.8, label=label if i == 0 else None)
+
+
+def _finish(ax: Axes, run: _Run, title: str, ylabel: str, has_data: bool) -> None:
+    """Restart lines, labels, a shared x range, and either a legend or a "no data" note."""
+    _mark_restarts(ax, run)
+    ax.set_title(title)
+    ax.set_ylabel(ylabel)
+    ax.set_xlabel(_TIME_LABEL)
+    margin = 0.02 * run.span or 1.0
+    ax.set_xlim(-margin, run.span + margin)
+    ax.grid(alpha=0.3)
+    if not has_data:
+        ax.text(0.5, 0.5, "no data", transform=ax.transAxes, ha="center", va="center", fontsize=14, color="gray")
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small", frameon=False)
+
+
+def _plot_reward(fig: Figure, run: _Run) -> None:
+    ax = fig.subplots()
+    steps = run.train_steps
+    ax.plot(run.since_start([s.time for s in steps]), [s.reward_mean for s in steps], ".-", markersize=3,
+            label="reward_mean")
+    _finish(ax, run, "Reward", "reward_mean", bool(steps))
+
+
+def _steps_per_minute(steps: Sequence[_TrainStep]) -> tuple[list[float], list[float]]:
+    """Train steps per minute over a sliding window of the last ``RATE_WINDOW_STEPS`` steps."""
+    times, rates = [], []
+    for i in range(1, len(steps)):
+        first = max(0, i - RATE_WINDOW_STEPS)
+        elapsed = steps[i].time - steps[first].time
+        if elapsed > 0:
+            times.append(steps[i].time)
+            rates.append(60.0 * (i - first) / elapsed)
+    return times, rates
+
+
+def _plot_throughput(fig: Figure, run: _Run) -> None:
+    panels = [("train steps", "steps / min", ())]
+    if any("generated_tokens_per_s" in s.rates or "committed_tokens_per_s" in s.rates for s in run.train_steps):
+        panels.append(("tokens", "tokens / s", ("generated_tokens_per_s", "committed_tokens_per_s")))
+    if any("committed_groups_per_s" in s.rates for s in run.train_steps):
+        panels.append(("committed groups", "groups / s", ("committed_groups_per_s",)))
+    fig.set_size_inches(11, 3.2 * len(panels) + 0.6)
+    axes = fig.subplots(len(panels), 1, sharex=True, squeeze=False)[:, 0]
+    for ax, (title, ylabel, names) in zip(axes, panels, strict=True):
+        if names:
+            for name in names:
+                points = [(s.time, s.rates[name]) for s in run.train_steps if name in s.rates]
+                if points:
+                    ax.plot(run.since_start([t for t, _ in points]), [v for _, v in points], ".-", markersize=3,
+                            label=name)
+            has_data = True
+        else:
+            times, rates = _steps_per_minute(run.train_steps)
+            ax.plot(run.since_start(times), rates, ".-", markersize=3,
+                    label=f"steps/min (last {RATE_WINDOW_STEPS} steps)")
+            has_data = bool(rates)
+        _finish(ax, run, f"Throughput: {title}", ylabel, has_data)
+    for ax in axes[:-1]:
+        ax.set_xlabel("")
+
+
+def _plot_checkpoint_phases(fig: Figure, run: _Run) -> None:
+    ax = fig.subplots()
+    completed = [c for c in run.checkpoints if c.outcome == "completed" and c.phases]
+    names = [*CHECKPOINT_PHASES, *sorted({p for c in completed for p in c.phases} - set(CHECKPOINT_PHASES))]
+    for name in names:
+        points = [(c.time, c.phases[name]) for c in completed if name in c.phases]
+        if points:
+            ax.plot(run.since_start([t for t, _ in points]), [v for _, v in points], ".-", markersize=4,
+                    linewidth=2.0 if name == "total" else 1.0, label=name)
+    ax.set_ylim(bottom=0)
+    low, high = ax.get_ylim()
+    ax.set_ylim(low, high + 0.15 * (high - low))  # headroom for the skipped/failed band
+    for outcome, (colour, height) in _OUTCOME_STYLE.items():
+        times = [c.time for c in run.checkpoints if c.outcome == outcome]
+        if times:
+            # Drawn in a band at the top (axes-fraction y), so they never read as a duration.
+            ax.plot(run.since_start(times), [height] * len(times), "x", color=colour, markersize=8,
+                    markeredgewidth=2, transform=ax.get_xaxis_transform(), label=outcome)
+    _finish(ax, run, "Checkpoint phases (completed checkpoints)", "seconds", bool(run.checkpoints))
+
+
+def _plot_restore_times(fig: Figure, run: _Run) -> None:
+    ax = fig.subplots()
+    names = [*RESTORE_PHASES, *sorted({p for r in run.restores for p in r.phases} - set(RESTORE_PHASES))]
+    for name in names:
+        points = [(r.time, r.phases[name]) for r in run.restores if name in r.phases]
+        if points:
+            ax.scatter(run.since_start([t for t, _ in points]), [v for _, v in points], s=60 if name == "total" else 30,
+                       marker="D" if name == "total" else "o", label=name, zorder=3)
+    _finish(ax, run, "Restore phases", "seconds", any(r.phases for r in run.restores))
+
+
+_PLOTS: tuple[tuple[str, Callable[[Figure, _Run], None]], ...] = (
+    ("reward.png", _plot_reward),
+    ("throughput.png", _plot_throughput),
+    ("checkpoint_phases.png", _plot_checkpoint_phases),
+    ("restore_times.png", _plot_restore_times),
+)
+
+
+# ---- summary ----------------------------------------------------------------------------------------
+
+
+def _seconds(values: Sequence[float], reduce: Callable[[Sequence[float]], float]) -> str:
+    return f"{reduce(values):.3f}" if values else "n/a"
+
+
+def _summary(path: Path, run: _Run) -> str:
+    steps = run.train_steps
+    final = [s.reward_mean for s in steps[-FINAL_REWARD_STEPS:]]
+    checkpoint_totals = [c.phases["total"] for c in run.checkpoints if c.outcome == "completed" and "total" in c.phases]
+    restore_totals = [r.phases["total"] for r in run.restores if "total" in r.phases]
+    by_outcome = Counter(c.outcome for c in run.checkpoints)
+    by_reason = Counter((c.outcome, c.reason) for c in run.checkpoints)
+    rows = [
+        ("run span (s)", f"{run.span:.1f}"),
+        ("processes", str(max(1, len(run.starts)))),
+        ("restores", str(len(run.restores))),
+        ("train steps (max step)", str(max(s.step for s in steps)) if steps else "0"),
+        (f"final reward (mean of last {len(final)})", f"{fmean(final):.4f}" if final else "n/a"),
+        ("checkpoints", str(len(run.checkpoints))),
+    ]
+    for outcome in [*_OUTCOMES, *sorted(set(by_outcome) - set(_OUTCOMES))]:
+        rows.append((f"checkpoints {outcome}", str(by_outcome[outcome])))
+        rows += [(f"  {outcome}, reason {reason}", str(n)) for (o, reason), n in sorted(by_reason.items())
+                 if o == outcome]
+    rows += [
+        ("checkpoint total mean (s)", _seconds(checkpoint_totals, fmean)),
+        ("checkpoint total max (s)", _seconds(checkpoint_totals, max)),
+        ("restore total mean (s)", _seconds(restore_totals, fmean)),
+    ]
+    width = max(len(label) for label, _ in rows)
+    value_width = max(len(value) for _, value in rows)
+    lines = [f"scd run report: {path}", f"{'metric':<{width}}  {'value':>{value_width}}",
+             f"{'-' * width}  {'-' * value_width}"]
+    lines += [f"{label:<{width}}  {value:>{value_width}}" for label, value in rows]
+    return "\n".join(lines)
+
+
+def write_report(events_path: Path, out_dir: Path) -> str:
+    """Read the event log at ``events_path``, write the four PNG plots into ``out_dir``, return the summary.
+
+    Raises ``ScdError`` for a missing or empty log, a line that is not JSON (naming file and line),
+    or when matplotlib (the ``report`` extra) is not installed.
+    """
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError as exc:
+        raise ScdError("the report needs matplotlib: pip install 'scd[report]'") from exc
+    events_path, out_dir = Path(events_path), Path(out_dir)
+    run = _load(events_path)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for name, draw in _PLOTS:
+        fig = Figure(figsize=(11, 4.2), dpi=100)
+        FigureCanvasAgg(fig)
+        draw(fig, run)
+        fig.tight_layout()
+        fig.savefig(out_dir / name)
+    return _summary(events_path, run)

@@ -1,0 +1,193 @@
+"""The offline event-log report (plots and summary) and the shipped Grafana dashboard."""
+
+from __future__ import annotations
+
+import json
+import re
+from itertools import pairwise
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+
+from scd.errors import ScdError
+from scd.telemetry.report import write_report
+
+pytest.importorskip("matplotlib")
+
+REPO = Path(__file__).resolve().parents[1]
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+PLOTS = ("reward.png", "throughput.png", "checkpoint_phases.png", "restore_times.png")
+T0 = 1_700_000_000.0
+
+
+def _event(event: str, time: float, step: int, **fields: Any) -> dict[str, Any]:
+    return {"event": event, "time": T0 + time, "step": step, **fields}
+
+
+def _train_step(time: float, step: int, *, rates: bool) -> dict[str, Any]:
+    fields: dict[str, Any] = {
+        "epoch": step // 20, "weight_version": step, "reward_mean": min(1.0, 0.1 + 0.02 * step),
+        "loss": 1.0 / step, "staleness": step % 3, "prompt_ids": [[step // 20, 4 * step + k] for k in range(4)],
+    }
+    if rates:
+        fields |= {"committed_groups_per_s": 2.5, "generated_tokens_per_s": 5200.0 + step,
+                   "committed_tokens_per_s": 4100.0 + step}
+    return _event("train_step", time, step, **fields)
+
+
+def _checkpoint(time: float, step: int, outcome: str, reason: str) -> dict[str, Any]:
+    fields: dict[str, Any] = {"outcome": outcome, "reason": reason}
+    if outcome == "completed":
+        fields["phases"] = {"total": 1.9 + 0.01 * step, "tq_save": 1.1, "barrier_wait": 0.2, "exclusive_hold": 0.4,
+                            "sidecar_write": 0.15, "commit": 0.05}
+    return _event("checkpoint", time, step, **fields)
+
+
+def _realistic_log() -> list[dict[str, Any]]:
+    """Process 1 trains steps 1-30 and checkpoints; it dies; process 2 restores step 25 and trains to 40."""
+    events = [_event("start", 0.0, 0, pid=1001)]
+    for step in range(1, 31):
+        events.append(_train_step(10.0 * step, step, rates=step > 5))  # the early steps predate the rate fields
+        events.append(_event("sample", 10.0 * step + 5, step, replay_groups=8, inflight_prompts=32))
+        if step % 5 == 0:
+            events.append(_checkpoint(10.0 * step + 1, step, "completed", "interval"))
+    events += [
+        _checkpoint(305.0, 30, "skipped", "no_progress"),
+        _checkpoint(306.0, 30, "failed", "tq_timeout"),
+        _event("shutdown_requested", 307.0, 30),  # an event kind this report does not know
+        _event("start", 400.0, 25, pid=2002),
+        _event("restore", 412.0, 25, bundle="/ckpt/step-000025", groups_restored=7, groups_evicted_stale=2,
+               prompts_redispatched=5, phases={"resolve": 0.3, "dataloader": 0.1, "tq": 8.4, "replay_metadata": 0.6,
+                                               "ledger": 0.4, "total": 9.8}),
+    ]
+    for step in range(26, 41):
+        events.append(_train_step(412.0 + 9.0 * (step - 25), step, rates=True))
+    events.append(_checkpoint(412.0 + 9.0 * 15 + 1, 40, "completed", "shutdown"))
+    return events
+
+
+def _write_log(path: Path, events: list[dict[str, Any]]) -> Path:
+    path.write_bytes(b"".join(orjson.dumps(e) + b"\n" for e in events) + b"\n")  # a trailing blank line
+    return path
+
+
+def _summary_rows(summary: str) -> dict[str, str]:
+    rows = {}
+    for line in summary.splitlines()[3:]:
+        label, value = re.split(r"\s{2,}", line.strip())
+        rows[label] = value
+    return rows
+
+
+def _assert_png(path: Path) -> None:
+    data = path.read_bytes()
+    assert data[:8] == PNG_SIGNATURE, path
+    assert len(data) > 10_000, path
+
+
+def test_report_writes_plots_and_summary(tmp_path: Path) -> None:
+    log = _write_log(tmp_path / "events.jsonl", _realistic_log())
+    out = tmp_path / "report" / "nested"
+
+    summary = write_report(log, out)
+
+    for name in PLOTS:
+        _assert_png(out / name)
+    rows = _summary_rows(summary)
+    assert rows["run span (s)"] == f"{412.0 + 9.0 * 15 + 1:.1f}"
+    assert rows["processes"] == "2"
+    assert rows["restores"] == "1"
+    assert rows["train steps (max step)"] == "40"
+    assert rows["final reward (mean of last 10)"] == "0.8100"  # steps 31-40
+    assert rows["checkpoints"] == "9"
+    assert rows["checkpoints completed"] == "7"
+    assert rows["completed, reason interval"] == "6"
+    assert rows["completed, reason shutdown"] == "1"
+    assert rows["checkpoints skipped"] == "1"
+    assert rows["skipped, reason no_progress"] == "1"
+    assert rows["checkpoints failed"] == "1"
+    assert rows["failed, reason tq_timeout"] == "1"
+    assert rows["checkpoint total max (s)"] == "2.300"
+    assert rows["restore total mean (s)"] == "9.800"
+    widths = {len(line) for line in summary.splitlines()[1:]}
+    assert len(widths) == 1, "the table is fixed-width"
+
+
+def test_report_without_restores_or_checkpoints_still_writes_every_plot(tmp_path: Path) -> None:
+    log = _write_log(tmp_path / "events.jsonl", [_event("start", 0.0, 0, pid=7), _train_step(5.0, 1, rates=False)])
+
+    summary = write_report(log, tmp_path / "out")
+
+    for name in PLOTS:
+        _assert_png(tmp_path / "out" / name)
+    rows = _summary_rows(summary)
+    assert rows["restores"] == "0"
+    assert rows["checkpoints completed"] == "0"
+    assert rows["checkpoint total mean (s)"] == "n/a"
+    assert rows["restore total mean (s)"] == "n/a"
+
+
+def test_corrupt_line_raises_naming_the_line(tmp_path: Path) -> None:
+    events = _realistic_log()
+    log = _write_log(tmp_path / "events.jsonl", events[:3])
+    with log.open("ab") as f:
+        f.write(b'{"event": "train_step", "time": 1700000040.0, "st\n')  # a torn write: line 5, after a blank
+    with pytest.raises(ScdError, match=rf"{re.escape(str(log))}:5: "):
+        write_report(log, tmp_path / "out")
+
+
+def test_malformed_known_event_raises_naming_the_line(tmp_path: Path) -> None:
+    log = _write_log(tmp_path / "events.jsonl", [_event("start", 0.0, 0, pid=1), _event("train_step", 1.0, 1)])
+    with pytest.raises(ScdError, match=r":2: .*reward_mean"):
+        write_report(log, tmp_path / "out")
+
+
+def test_missing_file_raises(tmp_path: Path) -> None:
+    with pytest.raises(ScdError, match="not found"):
+        write_report(tmp_path / "absent.jsonl", tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_empty_file_raises(tmp_path: Path) -> None:
+    log = tmp_path / "events.jsonl"
+    log.write_bytes(b"\n\n")
+    with pytest.raises(ScdError, match="no scd events"):
+        write_report(log, tmp_path / "out")
+
+
+# ---- the Grafana dashboard ------------------------------------------------------------------------
+
+DASHBOARD = REPO / "configs" / "grafana" / "scd-dashboard.json"
+ROWS = ("Generation", "Usable output", "Checkpoint latency", "Backpressure", "Reliability", "Restore",
+        "Recovery efficiency", "Snapshot size")
+REQUIRED_METRICS = {
+    "scd_generation_tokens_total", "scd_committed_tokens_total", "scd_committed_groups_total",
+    "scd_checkpoint_phase_seconds_bucket", "scd_checkpoint_blocked_mutations_total", "scd_checkpoint_attempts_total",
+    "scd_restore_phase_seconds_bucket", "scd_recovery_groups_restored", "scd_checkpoint_sidecar_bytes",
+}
+PROMQL_WORDS = {"rate", "increase", "sum", "by", "le", "histogram_quantile", "time"}
+
+
+def test_grafana_dashboard_rows_and_metric_names() -> None:
+    dashboard = json.loads(DASHBOARD.read_text())
+    assert (dashboard["schemaVersion"], dashboard["uid"], dashboard["title"]) == (39, "scd-main", "scd")
+    assert [i["name"] for i in dashboard["__inputs"]] == ["DS_PROMETHEUS"]
+    panels = dashboard["panels"]
+    assert tuple(p["title"] for p in panels if p["type"] == "row") == ROWS
+    assert panels[0]["type"] == "row" and panels[-1]["type"] != "row"
+    assert all(b["type"] != "row" for a, b in pairwise(panels) if a["type"] == "row"), \
+        "every row is followed by its panels"
+
+    exprs = [t["expr"] for p in panels if p["type"] != "row" for t in p["targets"]]
+    assert all(p["datasource"]["uid"] == "${DS_PROMETHEUS}" for p in panels if p["type"] != "row")
+    used = set()
+    for expr in exprs:
+        names = set(re.findall(r"scd_[a-z_]+", expr))
+        assert names, expr
+        # Apart from PromQL keywords and label names, every identifier is an scd_ metric.
+        others = set(re.findall(r"\b[a-z_]+\b", re.sub(r"\{[^}]*\}|\([a-z_, ]+\)\s*\(", "(", expr))) - names
+        assert others <= PROMQL_WORDS, (expr, others)
+        used |= names
+    assert used >= REQUIRED_METRICS, REQUIRED_METRICS - used
