@@ -23,6 +23,9 @@ test: $(STAMP)
 	$(BIN)/ruff check scd tests bench
 	$(BIN)/python -m pytest -q -p no:cacheprovider tests
 
+soak: $(STAMP)
+	SCD_SOAK_KILLS=$${SCD_SOAK_KILLS:-50} $(BIN)/python -m pytest -q -s -p no:cacheprovider tests/test_crash_loop.py
+
 bench: $(STAMP)
 	$(BIN)/python -m bench.run
 

@@ -51,7 +51,12 @@ def finalized_bundles(root: Path) -> list[Path]:
 
 
 def leftover_tmp_dirs(root: Path) -> list[Path]:
-    return sorted(p for p in root.iterdir() if p.is_dir() and p.name.endswith(".tmp")) if root.is_dir() else []
+    """Directories that are not (or no longer) bundles: ``*.tmp``, and step directories without the
+    commit marker (a retention delete that was interrupted un-finalizes first)."""
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.iterdir() if p.is_dir() and (
+        p.name.endswith(".tmp") or (step_of(p) is not None and not (p / COMMIT_MARKER).is_file())))
 
 
 def sha256_file(path: Path) -> str:
