@@ -43,6 +43,8 @@ class DataPlaneConfig(_Section):
     storage_units: int = 1
     partition: str = "rollouts"
     call_timeout_s: float = 60.0
+    # Starting Ray and TQ's actors takes seconds to minutes; it gets its own bound.
+    startup_timeout_s: float = 300.0
     ray: RayConfig = msgspec.field(default_factory=RayConfig)
 
 
@@ -204,6 +206,7 @@ def validate(config: Config) -> None:
     _require(dp.enabled, "data_plane.enabled", "scd keeps rollouts in TransferQueue; it cannot be disabled")
     _require(dp.storage_units >= 1, "data_plane.storage_units", f"must be >= 1, got {dp.storage_units}")
     _require(dp.call_timeout_s > 0, "data_plane.call_timeout_s", "must be > 0")
+    _require(dp.startup_timeout_s > 0, "data_plane.startup_timeout_s", "must be > 0")
     _require(bool(dp.partition) and "/" not in dp.partition, "data_plane.partition",
              "must be a non-empty name without '/'")
     if not dp.ray.address:

@@ -428,7 +428,7 @@ class Controller:
             tg.start_soon(self.rollout_pump, to_generation, name="rollout_pump")
             tg.start_soon(self.generation_pump, generation_in, to_commit, name="generation_pump")
             tg.start_soon(self.committer, commit_in, name="committer")
-            tg.start_soon(self.watchdog, name="watchdog")
+            tg.start_soon(systemd.feed_watchdog, name="watchdog")
             tg.start_soon(self.loop_probe, name="loop_probe")
             if self.checkpointer is not None:
                 tg.start_soon(self.checkpoint_scheduler, triggers, name="checkpoint_scheduler")
@@ -469,14 +469,6 @@ class Controller:
                 committed_groups=stats.committed_groups, generated_tokens=self.backend.generated_tokens(),
                 ledger=stats.ledger,
             )
-
-    async def watchdog(self) -> None:
-        interval = systemd.watchdog_interval_s()
-        if interval is None:
-            return
-        while True:
-            systemd.notify("WATCHDOG=1")
-            await anyio.sleep(interval)
 
     async def loop_probe(self, period_s: float = 0.05) -> None:
         while True:

@@ -74,17 +74,17 @@ class DataPlane:
         started_ray = False
         if not ray.is_initialized():
             if config.ray.address:
-                await _bounded_thread(config.call_timeout_s, "ray.init",
+                await _bounded_thread(config.startup_timeout_s, "ray.init",
                                       lambda: ray.init(address=config.ray.address, log_to_driver=False))
             else:
                 # Loopback node IP keeps TQ's zmq sockets (pickled messages) off the network.
-                await _bounded_thread(config.call_timeout_s, "ray.init", lambda: ray.init(
+                await _bounded_thread(config.startup_timeout_s, "ray.init", lambda: ray.init(
                     num_cpus=config.ray.num_cpus, include_dashboard=False, log_to_driver=False,
                     _node_ip_address="127.0.0.1", logging_level=logging.WARNING))
             started_ray = True
         conf = {"backend": {"SimpleStorage": {"num_data_storage_units": config.storage_units}}}
         attached_already = tq_interface._TQ_CLIENT is not None
-        await _bounded_thread(config.call_timeout_s, "tq.init", lambda: tq.init(conf))
+        await _bounded_thread(config.startup_timeout_s, "tq.init", lambda: tq.init(conf))
         # tq.close() kills the controller even from a process that merely attached: close only ours.
         owns_tq = not attached_already and tq_interface._TQ_STORAGE is not None
         try:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 import socket
 
+import anyio
+
 
 def notify(message: str) -> bool:
     """Send ``message`` (e.g. "READY=1") to $NOTIFY_SOCKET; False when not under systemd."""
@@ -25,3 +27,13 @@ def watchdog_interval_s() -> float | None:
     if not usec or (pid and int(pid) != os.getpid()):
         return None
     return int(usec) / 2e6
+
+
+async def feed_watchdog() -> None:
+    """WATCHDOG=1 at half of $WATCHDOG_USEC, from the event loop: a stuck loop stops feeding it."""
+    interval = watchdog_interval_s()
+    if interval is None:
+        return
+    while True:
+        notify("WATCHDOG=1")
+        await anyio.sleep(interval)

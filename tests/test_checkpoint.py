@@ -390,3 +390,35 @@ async def test_an_attempt_without_progress_is_skipped_with_its_reason(golden: di
         assert await controller.checkpointer.attempt(controller, Reason.SIGNAL, None) is Outcome.SKIPPED
     assert REGISTRY.get_sample_value("scd_checkpoint_attempts_total", labels) == count_before + 1
     assert tree_digest(root) == before
+
+
+async def test_latest_naming_a_missing_directory_is_only_a_hint(golden: dict[str, Any], tmp_path: Path) -> None:
+    root = copy_bundles(golden, tmp_path)
+    (root / layout.LATEST).write_text("step_00000099")
+    controller = await restore_into_fresh_controller(config_for(root))
+    assert controller.trainer_step == 6
+
+
+async def test_unwritable_checkpoint_dir_fails_with_io_error_and_stops(tmp_path: Path, tq_session: None) -> None:
+    blocker = tmp_path / "not-a-directory"
+    blocker.write_text("a file where the checkpoint directory should be")
+    config = config_for(blocker, checkpointing={"max_consecutive_failures": 2, "interval_s": 0.2})
+    await clear_partition()
+    labels = {"outcome": "failed", "reason": "io_error"}
+    count_before = REGISTRY.get_sample_value("scd_checkpoint_attempts_total", labels) or 0.0
+    with pytest.raises(BaseExceptionGroup) as info:
+        async with Controller.open(config) as controller:
+            await controller.restore()
+            await controller.run(max_steps=10_000)
+    failed = info.value.subgroup(CheckpointFailed)
+    assert failed is not None and "io_error" in str(failed.exceptions[0])
+    assert REGISTRY.get_sample_value("scd_checkpoint_attempts_total", labels) == count_before + 2
+    assert blocker.read_text().startswith("a file")
+
+
+async def test_checkpoint_directories_are_private(golden: dict[str, Any]) -> None:
+    root = golden["root"]
+    assert root.stat().st_mode & 0o777 == 0o700
+    for bundle in layout.finalized_bundles(root):
+        assert bundle.stat().st_mode & 0o777 == 0o700
+        assert (bundle / layout.POLICY_DIR).stat().st_mode & 0o777 == 0o700
