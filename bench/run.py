@@ -1,34 +1,51 @@
-"""`make bench`: measure the embedded default and write JSON under bench/results/.
+"""`make bench`: what checkpointing costs, measured in one run, written to bench/results/.
 
-Benchmarks, not tests: they report numbers and never fail on them.
+Benchmarks, not tests: they report numbers and never fail on them.  Ratios
+are taken within one run because absolute times drift on a shared 2-core box.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import platform
 import statistics
 import time
 import tomllib
 from pathlib import Path
 from tempfile import TemporaryDirectory
+from typing import Any
 
 import anyio
 import orjson
+import torch
 
-from scd.config import parse_config
+from scd.checkpoint import layout
+from scd.checkpoint.restore import restore_controller
+from scd.checkpoint.save import Reason
+from scd.config import Config, parse_config
 from scd.daemon import Controller
+from scd.dataplane import DataPlane
+from scd.generation.base import GroupResult
+from scd.records import Rollout
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results"
+GOALS = {
+    "checkpoint_overhead_ratio": (">=", 0.99), "snapshot_bytes_ratio": ("<=", 1.1),
+    "sidecar_vs_legacy_ratio": ("<=", 0.01), "exclusive_hold_ms_10k": ("<=", 20.0),
+    "checkpoint_vs_disk_ratio": ("<=", 2.0), "restore_overhead_ratio": ("<=", 1.10),
+    "commit_path_groups_per_s": (">=", 20000.0), "loop_stall_p99_ms": ("<=", 50.0),
+}
 
 
-def tiny(tmp: Path, **overrides: dict[str, object]) -> object:
+def tiny(tmp: Path, partition: str = "bench", **overrides: dict[str, object]) -> Config:
     data = tomllib.loads((REPO / "configs" / "tiny.toml").read_text())
     data["run"]["output_dir"] = str(tmp)
     data["telemetry"]["metrics_port"] = 0
+    data["data_plane"]["partition"] = partition
     for section, values in overrides.items():
-        data[section].update(values)
+        data.setdefault(section, {}).update(values)
     return parse_config(data, REPO / "configs")
 
 
@@ -37,47 +54,243 @@ def percentile(samples: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-async def throughput(warmup_steps: int = 10, steps: int = 100) -> dict[str, float]:
-    """Steps, committed groups and tokens per second, and event-loop stall, on configs/tiny.toml."""
-    with TemporaryDirectory() as tmp:
-        config = tiny(Path(tmp))
+async def clear(partition: str) -> None:
+    await DataPlane(tiny(Path("/tmp"), partition).data_plane).clear_all()
+
+
+async def timed_run(config: Config, steps: int, probe: bool = False) -> dict[str, float]:
+    """Committed groups/s (and loop stall) over ``steps`` trainer steps after a 10-step warm-up."""
+    await clear(config.data_plane.partition)
+    async with Controller.open(config) as controller:
+        await controller.run(max_steps=10)
+        stalls: list[float] = []
+
+        async def loop_probe() -> None:
+            while True:
+                before = time.monotonic()
+                await anyio.sleep(0.01)
+                stalls.append(time.monotonic() - before - 0.01)
+
+        groups0, tokens0 = controller.committed_groups, controller.backend.generated_tokens()
+        started = time.monotonic()
+        async with anyio.create_task_group() as tg:
+            if probe:
+                tg.start_soon(loop_probe)
+            await controller.run(max_steps=10 + steps)
+            tg.cancel_scope.cancel()
+        elapsed = time.monotonic() - started
+        out = {
+            "steps_per_s": steps / elapsed,
+            "committed_groups_per_s": (controller.committed_groups - groups0) / elapsed,
+            "generated_tokens_per_s": (controller.backend.generated_tokens() - tokens0) / elapsed,
+        }
+        if probe:
+            out |= {"loop_stall_p50_ms": 1000 * statistics.median(stalls),
+                    "loop_stall_p99_ms": 1000 * percentile(stalls, 0.99),
+                    "loop_stall_max_ms": 1000 * max(stalls)}
+        if controller.checkpointer is not None:
+            out["checkpoints_completed"] = controller.checkpointer.statistics().completed
+        return out
+
+
+async def overhead(tmp: Path, steps: int = 150) -> dict[str, float]:
+    """The same seeded run with checkpoints every 10 s and with checkpointing off."""
+    off = await timed_run(tiny(tmp / "off"), steps, probe=True)
+    on = await timed_run(tiny(tmp / "on", checkpointing={"enabled": True, "interval_s": 10.0}), steps)
+    return {
+        "checkpoint_overhead_ratio": on["committed_groups_per_s"] / off["committed_groups_per_s"],
+        "committed_groups_per_s_off": off["committed_groups_per_s"],
+        "committed_groups_per_s_on": on["committed_groups_per_s"],
+        "checkpoints_during_run": on["checkpoints_completed"],
+        "steps_per_s": off["steps_per_s"], "generated_tokens_per_s": off["generated_tokens_per_s"],
+        "loop_stall_p50_ms": off["loop_stall_p50_ms"], "loop_stall_p99_ms": off["loop_stall_p99_ms"],
+        "loop_stall_max_ms": off["loop_stall_max_ms"],
+    }
+
+
+def fake_group(controller: Controller, request: Any, tokens: int) -> GroupResult:
+    prompt = 8
+    rollouts = [Rollout(torch.randint(0, 50, (tokens,)), torch.rand(tokens - prompt), prompt, float(s % 2), 0)
+                for s in range(request.group_size)]
+    return GroupResult(request, rollouts)
+
+
+async def fill(controller: Controller, groups: int, tokens: int) -> int:
+    """Commit ``groups`` groups through the controller's real commit path; returns payload bytes."""
+    payload = 0
+    for _ in range(groups):
+        result = fake_group(controller, await controller.admit(), tokens)
+        payload += sum(r.input_ids.nbytes + r.logprobs.nbytes for r in result.rollouts)
+        await controller.commit(result)
+    return payload
+
+
+def disk_write_bandwidth(directory: Path, size: int = 256 << 20) -> float:
+    """Sequential write bandwidth with fsync, bytes/s, on the disk under ``directory``."""
+    path = directory / "bandwidth.bin"
+    block = os.urandom(1 << 20)
+    started = time.monotonic()
+    with path.open("wb") as f:
+        for _ in range(size >> 20):
+            f.write(block)
+        f.flush()
+        os.fsync(f.fileno())
+    elapsed = time.monotonic() - started
+    path.unlink()
+    return size / elapsed
+
+
+async def snapshot_and_restore(tmp: Path, rows: int = 10_000, tokens: int = 1024) -> dict[str, float]:
+    """Snapshot size, sidecar vs legacy, checkpoint vs disk, restore vs tq.load_checkpoint, at 10k rows."""
+    import transfer_queue as tq
+    from tensordict import TensorDict
+
+    group_size = 8
+    config = tiny(tmp / "snap", generation={"group_size": group_size},
+                  async_rl={"buffer_capacity_groups": rows // group_size + 64},
+                  checkpointing={"enabled": True, "keep_last": 2})
+    await clear("bench")
+    async with Controller.open(config) as controller:
+        payload = await fill(controller, rows // group_size, tokens)
+        assert controller.checkpointer is not None
+        started = time.monotonic()
+        await controller.checkpointer.attempt(controller, Reason.SIGNAL, None)
+        checkpoint_s = time.monotonic() - started
+        bundle = layout.finalized_bundles(Path(config.checkpointing.dir))[-1]
+        legacy = tmp / "replay_buffer.pt"
+        ids = sorted(controller.replay.sample_ids())
+        data = await controller.dataplane.get_rows(ids)
+        torch.save({"sample_ids": ids, "input_ids": list(data["input_ids"].unbind()),
+                    "logprobs": list(data["logprobs"].unbind())}, legacy)
+    snapshot_bytes = layout.dir_bytes(bundle / layout.DATA_PLANE_DIR)
+    sidecar_bytes = (bundle / layout.SIDECAR_FILE).stat().st_size
+    bandwidth = disk_write_bandwidth(tmp)
+
+    await clear("bench")
+    started = time.monotonic()
+    tq.load_checkpoint(bundle / layout.DATA_PLANE_DIR)
+    load_s = time.monotonic() - started
+    await clear("bench")
+    async with Controller.open(config) as controller:
+        report = await restore_controller(controller, bundle, allow_config_change=False)
+        assert report is not None
+    restore_s = report.phases["total"]
+
+    # TQ used naively: one dense [8, 1024] tensor per put, as the docs suggest.
+    await clear("bench")
+    naive_dir = tmp / "naive"
+    for g in range(rows // group_size):
+        fields = TensorDict({"input_ids": torch.randint(0, 50, (group_size, tokens)),
+                             "logprobs": torch.rand(group_size, tokens - 8)}, batch_size=[group_size])
+        await tq.async_kv_batch_put(keys=[f"n{g}/{s}" for s in range(group_size)], partition_id="bench-naive",
+                                    fields=fields)
+    tq.save_checkpoint(naive_dir)
+    naive_bytes = layout.dir_bytes(naive_dir)
+    await clear("bench-naive")
+    return {
+        "snapshot_bytes_ratio": snapshot_bytes / payload,
+        "snapshot_bytes_ratio_naive_batch8": naive_bytes / payload,
+        "payload_bytes_10k": payload, "snapshot_bytes_10k": snapshot_bytes,
+        "sidecar_vs_legacy_ratio": sidecar_bytes / legacy.stat().st_size,
+        "sidecar_bytes_10k": sidecar_bytes, "legacy_replay_bytes_10k": legacy.stat().st_size,
+        "checkpoint_seconds_10k_rows": checkpoint_s,
+        "disk_write_bytes_per_s": bandwidth,
+        "checkpoint_vs_disk_ratio": checkpoint_s / (snapshot_bytes / bandwidth),
+        "restore_seconds_10k_rows": restore_s, "tq_load_checkpoint_seconds_10k_rows": load_s,
+        "restore_overhead_ratio": restore_s / load_s,
+    }
+
+
+async def exclusive_hold(tmp: Path) -> dict[str, float]:
+    """Exclusive hold (without the TQ save inside it) with 1k and 10k ready groups of small rows."""
+    out: dict[str, float] = {}
+    for groups in (1_000, 10_000):
+        config = tiny(tmp / f"hold{groups}", async_rl={"buffer_capacity_groups": groups + 64},
+                      checkpointing={"enabled": True, "keep_last": 2})
+        await clear("bench")
         async with Controller.open(config) as controller:
-            await controller.run(max_steps=warmup_steps)
-            stalls: list[float] = []
+            await fill(controller, groups, tokens=24)
+            assert controller.checkpointer is not None
+            holds, saves = [], []
+            for attempt in range(3):
+                controller.trainer_step = attempt + 1
+                phases: dict[str, float] = {}
+                tmp_dir = tmp / f"hold{groups}-{attempt}"
+                tmp_dir.mkdir(parents=True)
+                from scd.checkpoint.save import capture_cut
 
-            async def probe() -> None:
-                while True:
-                    before = time.monotonic()
-                    await anyio.sleep(0.01)
-                    stalls.append(time.monotonic() - before - 0.01)
+                await capture_cut(controller, tmp_dir, phases)
+                holds.append(phases["exclusive_hold"])
+                saves.append(phases["tq_save"])
+        suffix = "10k" if groups == 10_000 else "1k"
+        out[f"exclusive_hold_ms_{suffix}"] = 1000 * statistics.median(holds)
+        out[f"tq_save_ms_{suffix}"] = 1000 * statistics.median(saves)
+    await clear("bench")
+    return out
 
-            groups0, tokens0 = controller.committed_groups, controller.backend.generated_tokens()
-            started = time.monotonic()
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(probe)
-                await controller.run(max_steps=warmup_steps + steps)
-                tg.cancel_scope.cancel()
-            elapsed = time.monotonic() - started
-            return {
-                "steps_per_s": steps / elapsed,
-                "committed_groups_per_s": (controller.committed_groups - groups0) / elapsed,
-                "generated_tokens_per_s": (controller.backend.generated_tokens() - tokens0) / elapsed,
-                "loop_stall_p50_ms": 1000 * statistics.median(stalls),
-                "loop_stall_p99_ms": 1000 * percentile(stalls, 0.99),
-                "loop_stall_max_ms": 1000 * max(stalls),
-                "measured_steps": steps,
-            }
+
+class _NoDataPlane:
+    """The commit path without TQ: a data plane whose calls return at once."""
+
+    partition = "none"
+    data_ops = 0
+
+    async def put_rows(self, sample_ids: Any, rows: Any) -> None:
+        return None
+
+    async def clear(self, sample_ids: Any) -> None:
+        return None
+
+
+async def commit_path(tmp: Path, groups: int = 20_000) -> dict[str, float]:
+    """Admit + commit + consume through barrier, index and ledger, with TQ taken out."""
+    config = tiny(tmp / "commit", async_rl={"buffer_capacity_groups": groups + 64}, task={"size": groups})
+    controller = Controller(config, _NoDataPlane(), backend=None)  # type: ignore[arg-type]
+    rollouts = [Rollout(torch.zeros(12, dtype=torch.int64), torch.zeros(4), 8, 0.5, 0) for _ in range(8)]
+    started = time.monotonic()
+    for _ in range(groups):
+        request = await controller.admit()
+        await controller.commit(GroupResult(request, rollouts))
+    committed = time.monotonic() - started
+    started = time.monotonic()
+    batch = controller.replay.groups()
+    for i in range(0, len(batch), 16):
+        await controller.consume(batch[i:i + 16])
+    consumed = time.monotonic() - started
+    return {"commit_path_groups_per_s": groups / committed, "consume_path_groups_per_s": groups / consumed}
 
 
 async def main() -> None:
+    import ray
+    import transfer_queue as tq
+
     RESULTS.mkdir(parents=True, exist_ok=True)
-    results = {"throughput": await throughput()}
-    meta = {"time": time.time(), "python": platform.python_version(), "machine": platform.machine()}
-    for name, values in results.items():
-        (RESULTS / f"{name}.json").write_bytes(orjson.dumps({**values, "meta": meta}, option=orjson.OPT_INDENT_2))
-        print(f"{name}:")
-        for key, value in values.items():
-            print(f"  {key:28s} {value:12.3f}")
+    ray.init(num_cpus=3, include_dashboard=False, log_to_driver=False, _node_ip_address="127.0.0.1",
+             logging_level=logging.WARNING)
+    tq.init({"backend": {"SimpleStorage": {"num_data_storage_units": 1}}})
+    summary: dict[str, float] = {}
+    try:
+        with TemporaryDirectory(dir=REPO / "bench") as tmp_name:
+            tmp = Path(tmp_name)
+            for name, bench in (("commit_path", commit_path), ("overhead", overhead),
+                                ("exclusive_hold", exclusive_hold), ("snapshot", snapshot_and_restore)):
+                started = time.monotonic()
+                summary |= await bench(tmp)
+                print(f"[{name}: {time.monotonic() - started:.0f}s]", flush=True)
+    finally:
+        tq.close()
+        ray.shutdown()
+    meta = {"time": time.time(), "python": platform.python_version(), "machine": platform.machine(),
+            "cpus": os.cpu_count(), "torch": torch.__version__}
+    (RESULTS / "summary.json").write_bytes(orjson.dumps({**summary, "meta": meta}, option=orjson.OPT_INDENT_2))
+    print(f"{'metric':36s} {'value':>14s}  goal")
+    for key, value in summary.items():
+        goal = GOALS.get(key)
+        mark = ""
+        if goal:
+            ok = value >= goal[1] if goal[0] == ">=" else value <= goal[1]
+            mark = f"{goal[0]} {goal[1]:g}  {'met' if ok else 'MISSED'}"
+        print(f"{key:36s} {value:14.4f}  {mark}")
 
 
 if __name__ == "__main__":
