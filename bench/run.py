@@ -22,7 +22,7 @@ import torch
 
 from scd.checkpoint import layout
 from scd.checkpoint.restore import restore_controller
-from scd.checkpoint.save import Reason
+from scd.checkpoint.save import Reason, capture_cut
 from scd.config import Config, parse_config
 from scd.daemon import Controller
 from scd.dataplane import DataPlane
@@ -211,20 +211,22 @@ async def exclusive_hold(tmp: Path) -> dict[str, float]:
         async with Controller.open(config) as controller:
             await fill(controller, groups, tokens=24)
             assert controller.checkpointer is not None
-            holds, saves = [], []
+            holds, saves, lists = [], [], []
             for attempt in range(3):
                 controller.trainer_step = attempt + 1
                 phases: dict[str, float] = {}
                 tmp_dir = tmp / f"hold{groups}-{attempt}"
                 tmp_dir.mkdir(parents=True)
-                from scd.checkpoint.save import capture_cut
-
                 await capture_cut(controller, tmp_dir, phases)
                 holds.append(phases["exclusive_hold"])
                 saves.append(phases["tq_save"])
+                lists.append(phases["tq_list"])
         suffix = "10k" if groups == 10_000 else "1k"
         out[f"exclusive_hold_ms_{suffix}"] = 1000 * statistics.median(holds)
         out[f"tq_save_ms_{suffix}"] = 1000 * statistics.median(saves)
+        out[f"tq_list_ms_{suffix}"] = 1000 * statistics.median(lists)
+        out[f"exclusive_hold_without_tq_list_ms_{suffix}"] = 1000 * statistics.median(
+            h - t for h, t in zip(holds, lists, strict=True))
     await clear("bench")
     return out
 

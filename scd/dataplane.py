@@ -38,7 +38,7 @@ os.environ.setdefault("TQ_NUM_THREADS", "1")
 os.environ.setdefault("RAY_DISABLE_FAILURE_SIGNAL_HANDLER", "1")
 
 # Tensor fields of a TQ row.  Per-row scalars (prompt length, reward, weight version) are
-# tags and replay metadata: as tensors each would cost a pickled header per row in a snapshot.
+# replay metadata: as tensors each would cost a pickled header per row in a snapshot.
 ROW_FIELDS = ("input_ids", "logprobs")
 
 
@@ -110,10 +110,10 @@ class DataPlane:
         import transfer_queue as tq
 
         fields = pack_rows(rows)
-        tags = [{"prompt_len": r.prompt_len, "reward": r.reward, "weight_version": r.weight_version}
-                for r in rows]
+        # No TQ tags: per-row scalars live in the replay index, and tags would be shipped back
+        # with every key by kv_list, the inventory check inside the checkpoint's exclusive hold.
         await self._call("put", lambda: tq.async_kv_batch_put(
-            keys=list(sample_ids), partition_id=self.partition, fields=fields, tags=tags))
+            keys=list(sample_ids), partition_id=self.partition, fields=fields))
         self._stats.puts += 1
         self._stats.rows_put += len(rows)
 

@@ -55,21 +55,30 @@ def sample_ids_for(group_id: str, group_size: int) -> tuple[str, ...]:
     return tuple(f"{group_id}/{sibling}" for sibling in range(group_size))
 
 
+def group_hash(group: GroupMeta) -> bytes:
+    return hashlib.sha256(msgspec.json.encode(group, order="sorted")).digest()
+
+
 class ReplayIndex:
+    """Kept incrementally (group hashes, the sample-id set) so that a checkpoint's cut is cheap."""
+
     def __init__(self) -> None:
         # Insertion order is commit order: samplers rely on it for FIFO selection.
         self._groups: dict[str, GroupMeta] = {}
-        self._rows = 0
+        self._hashes: dict[str, bytes] = {}
+        self._sample_ids: set[str] = set()
 
     def add(self, group: GroupMeta) -> None:
         if group.group_id in self._groups:
             raise ValueError(f"group {group.group_id} is already in the replay index")
         self._groups[group.group_id] = group
-        self._rows += len(group.sample_ids)
+        self._hashes[group.group_id] = group_hash(group)
+        self._sample_ids.update(group.sample_ids)
 
     def remove(self, group_id: str) -> GroupMeta:
         group = self._groups.pop(group_id)
-        self._rows -= len(group.sample_ids)
+        del self._hashes[group_id]
+        self._sample_ids.difference_update(group.sample_ids)
         return group
 
     def __contains__(self, group_id: object) -> bool:
@@ -86,17 +95,17 @@ class ReplayIndex:
 
     @property
     def rows(self) -> int:
-        return self._rows
+        return len(self._sample_ids)
 
     def sample_ids(self) -> set[str]:
-        return {sid for g in self._groups.values() for sid in g.sample_ids}
+        """The live set of every ready row's id; copy it to keep it past the next mutation."""
+        return self._sample_ids
 
     def digest(self) -> str:
-        """SHA-256 over a canonical form of every group's metadata."""
+        """SHA-256 over every group's metadata hash (of its canonical JSON), in group-id order."""
         h = hashlib.sha256()
-        for group_id in sorted(self._groups):
-            h.update(msgspec.json.encode(self._groups[group_id], order="sorted"))
-            h.update(b"\n")
+        for group_id in sorted(self._hashes):
+            h.update(self._hashes[group_id])
         return h.hexdigest()
 
 

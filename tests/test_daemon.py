@@ -22,7 +22,7 @@ async def test_reward_rises_and_the_books_balance(tmp_path: Path, partition: str
         await controller.run(max_steps=steps)
         stats = controller.statistics()
         tq_ids = await controller.dataplane.list_ids()
-        replay_ids = controller.replay.sample_ids()
+        replay_ids = set(controller.replay.sample_ids())
         ledger = controller.ledger
 
     assert stats.trainer_step == stats.weight_version == steps

@@ -39,7 +39,7 @@ if TYPE_CHECKING:
     from scd.daemon import Controller
 
 log = logging.getLogger(__name__)
-PHASES = ("total", "tq_save", "barrier_wait", "exclusive_hold", "sidecar_write", "commit")
+PHASES = ("total", "tq_save", "barrier_wait", "exclusive_hold", "sidecar_write", "commit", "tq_list")
 
 
 class CheckpointFailed(ScdError):

@@ -115,8 +115,8 @@ async def capture_cut(controller: Controller, tmp: Path, phases: dict[str, float
     Under the exclusive barrier no mutation runs, so the TQ snapshot saved into
     ``tmp/data_plane`` and the metadata captured here describe the same rows;
     the exact-inventory check proves it before the barrier is released.
-    Records ``barrier_wait``, ``tq_save`` and ``exclusive_hold`` (the hold
-    without the TQ save inside it) into ``phases``.
+    Records ``barrier_wait``, ``tq_save``, ``tq_list`` (TQ's inventory listing)
+    and ``exclusive_hold`` (the hold without the TQ save inside it) into ``phases``.
     """
     faults.hit("before_barrier")
     wait_started = time.monotonic()
@@ -143,7 +143,10 @@ async def capture_cut(controller: Controller, tmp: Path, phases: dict[str, float
         await controller.dataplane.save_snapshot(tmp / layout.DATA_PLANE_DIR)
         phases["tq_save"] = time.monotonic() - tq_started
         faults.hit("after_tq_save")
-        require_exact_inventory(expected, await controller.dataplane.list_ids(), "checkpoint")
+        list_started = time.monotonic()
+        listed = await controller.dataplane.list_ids()
+        phases["tq_list"] = time.monotonic() - list_started
+        require_exact_inventory(expected, listed, "checkpoint")
     phases["exclusive_hold"] = time.monotonic() - held_from - phases["tq_save"]
     return cut
 
@@ -190,7 +193,8 @@ def write_bundle(pending: PendingBundle, keep_last: int) -> dict[str, int]:
         "schema_version": layout.SCHEMA_VERSION, "seed": cut.dataloader.seed, "epoch": cut.dataloader.epoch,
         "cursor": cut.dataloader.cursor, "redispatch": in_flight,
     }))
-    sidecar = _json(sidecar_document(cut))
+    # Compact: the sidecar grows with the buffer (training_info stays indented for people).
+    sidecar = orjson.dumps(sidecar_document(cut), option=orjson.OPT_SORT_KEYS)
     with (tmp / layout.SIDECAR_FILE).open("wb") as f:
         f.write(sidecar[: len(sidecar) // 2])
         f.flush()
