@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from scd.config import parse_config
+from scd.errors import ConfigError
 from scd.replay import GroupMeta
-from scd.samplers import BUILTIN_SAMPLERS, InOrderSampler, WindowedSampler
+from scd.samplers import BUILTIN_SAMPLERS, InOrderSampler, WindowedSampler, build_sampler
 
 
 def group(i: int, version: int, target: int | None = None) -> GroupMeta:
@@ -50,3 +53,37 @@ def test_in_order_trains_exactly_its_target_step():
     ready = [group(i, 0, target=t) for i, t in enumerate(targets)]
     assert [g.group_id for g in sampler.select(ready, 0, 0)] == ["g0", "g1"]
     assert sampler.select(ready[1:], 0, 0) == []
+
+
+class GatedButClaimsRecovery(InOrderSampler):
+    name = "custom"
+    supports_replay_checkpoint = True
+
+
+class NotASampler:
+    supports_replay_checkpoint = True
+
+    def __init__(self, *args: object) -> None:
+        pass
+
+
+class CustomWindowed(WindowedSampler):
+    name = "custom_windowed"
+
+
+@pytest.mark.parametrize(("spec", "message"), [
+    ("tests.test_samplers:GatedButClaimsRecovery", "gates dispatch"),
+    ("tests.test_samplers:NotASampler", "not a subclass"),
+    ("tests.test_samplers:Missing", "cannot load custom sampler"),
+])
+def test_custom_sampler_capability_is_checked_after_construction(tmp_path, spec, message):
+    config = parse_config({"async_rl": {"sampler": {"name": spec}}}, tmp_path)
+    with pytest.raises(ConfigError, match=message) as info:
+        build_sampler(config)
+    assert info.value.key == "async_rl.sampler.name"
+
+
+def test_a_well_declared_custom_sampler_is_built(tmp_path):
+    config = parse_config({"async_rl": {"sampler": {"name": "tests.test_samplers:CustomWindowed"}}}, tmp_path)
+    sampler = build_sampler(config)
+    assert isinstance(sampler, CustomWindowed) and sampler.supports_replay_checkpoint
