@@ -54,6 +54,7 @@ class CheckpointBarrier:
         self._exclusive = False
         self._exclusive_waiting = 0
         self._changed = anyio.Event()
+        self._sleepers = 0
         self._mutations: Counter[str] = Counter()
         self._blocked: Counter[str] = Counter()
         self._wait_seconds: Counter[str] = Counter()
@@ -61,8 +62,17 @@ class CheckpointBarrier:
         self._on_blocked = on_blocked
 
     def _notify(self) -> None:
-        self._changed.set()
-        self._changed = anyio.Event()
+        # Only a sleeper needs waking; skipping the Event swap keeps the uncontended path cheap.
+        if self._sleepers:
+            self._changed.set()
+            self._changed = anyio.Event()
+
+    async def _sleep_until_changed(self) -> None:
+        self._sleepers += 1
+        try:
+            await self._changed.wait()
+        finally:
+            self._sleepers -= 1
 
     def statistics(self) -> BarrierStatistics:
         return BarrierStatistics(
@@ -90,7 +100,7 @@ class CheckpointBarrier:
         blocked = False
         while self._exclusive or self._exclusive_waiting:
             blocked = True
-            await self._changed.wait()
+            await self._sleep_until_changed()
         if blocked:
             waited = time.monotonic() - started
             self._blocked[kind.value] += 1
@@ -110,7 +120,7 @@ class CheckpointBarrier:
         self._exclusive_waiting += 1
         try:
             while self._exclusive or self._holders:
-                await self._changed.wait()
+                await self._sleep_until_changed()
         finally:
             self._exclusive_waiting -= 1
             # A cancelled checkpoint must release the mutations queued behind it.

@@ -220,6 +220,7 @@ class Controller:
         """
         req = result.request
         sample_ids = sample_ids_for(req.group_id, len(result.rollouts))
+        seq_lens = tuple(r.input_ids.shape[0] for r in result.rollouts)
         async with self.barrier.mutation(MutationKind.COMMIT):
             state = self.ledger.state_of(req.group_id)
             if state is not PromptState.IN_FLIGHT:
@@ -235,7 +236,7 @@ class Controller:
                 sample_ids=sample_ids, start_weight_version=result.start_weight_version,
                 end_weight_version=result.end_weight_version,
                 prompt_len=result.rollouts[0].prompt_len,
-                seq_lens=tuple(len(r.input_ids) for r in result.rollouts), fields=ROW_FIELDS,
+                seq_lens=seq_lens, fields=ROW_FIELDS,
                 rewards=tuple(r.reward for r in result.rollouts),
                 weight_versions=tuple(r.weight_version for r in result.rollouts), target_step=req.target_step,
                 admitted_at=req.admitted_at, committed_at=time.time(),
@@ -245,7 +246,7 @@ class Controller:
             self._in_flight -= 1
         self.committed_groups += 1
         metrics.committed_groups.inc()
-        metrics.committed_tokens.inc(sum(len(r.logprobs) for r in result.rollouts))
+        metrics.committed_tokens.inc(group.tokens - group.prompt_len * len(seq_lens))
         metrics.group_completion_latency.observe(group.committed_at - req.admitted_at)
         self._notify()
 
