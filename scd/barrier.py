@@ -34,7 +34,6 @@ class MutationKind(enum.StrEnum):
     RESERVE = "reserve"
     REDISPATCH = "redispatch"
     CLEAR = "clear"
-    DROP = "drop"
 
 
 @dataclass(slots=True)

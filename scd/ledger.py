@@ -24,7 +24,6 @@ class PromptState(enum.StrEnum):
 
 class DropReason(enum.StrEnum):
     STALE = "stale"
-    GENERATION_FAILED = "generation_failed"
 
 
 _NEXT: dict[PromptState, frozenset[PromptState]] = {
