@@ -15,7 +15,7 @@ import orjson
 from anyio.abc import TaskStatus
 
 from scd.config import Config, load_config
-from scd.daemon import Triggers
+from scd.daemon import Controller, Triggers
 from scd.errors import EXIT_CONFIG, EXIT_INVARIANT, EXIT_OK, EXIT_OTHER, ScdError
 
 log = logging.getLogger("scd")
@@ -35,8 +35,6 @@ async def handle_signals(triggers: Triggers, *,
 
 
 async def run_daemon(config: Config, args: argparse.Namespace) -> None:
-    from scd.daemon import Controller
-
     triggers = Triggers()
     async with anyio.create_task_group() as tg:
         # Signals are handled from the first moment: a SIGTERM during a long restore still drains.
@@ -50,7 +48,8 @@ async def run_daemon(config: Config, args: argparse.Namespace) -> None:
 
 
 def checkpoint_command(args: argparse.Namespace) -> int:
-    from scd.checkpoint.inspect import BundleError, inspect_bundle, list_bundles
+    from scd.checkpoint.inspect import inspect_bundle, list_bundles
+    from scd.checkpoint.verify import BundleError
 
     if args.checkpoint_command == "list":
         if not args.dir.is_dir():

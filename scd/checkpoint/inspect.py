@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from scd.checkpoint import layout
-from scd.checkpoint.verify import BundleError, verify_bundle
+from scd.checkpoint.verify import verify_bundle
 
 
 def list_bundles(root: Path) -> list[dict[str, object]]:
@@ -32,5 +32,3 @@ def inspect_bundle(path: Path) -> dict[str, object]:
         "capacity": info["capacity"], "time": info["time"], "config_fingerprint": info["config_fingerprint"],
     }
 
-
-__all__ = ["BundleError", "inspect_bundle", "list_bundles"]
