@@ -6,6 +6,7 @@ are taken within one run because absolute times drift on a shared 2-core box.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import platform
@@ -27,7 +28,9 @@ from scd.config import Config, parse_config
 from scd.daemon import Controller
 from scd.dataplane import DataPlane
 from scd.generation.base import GroupResult
-from scd.records import Rollout
+from scd.records import Completion, FinishReason
+from scd.tasks import build_task
+from scd.training.policy import build_policy
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results"
@@ -108,19 +111,26 @@ async def overhead(tmp: Path, steps: int = 150) -> dict[str, float]:
     }
 
 
-def fake_group(controller: Controller, request: Any, tokens: int) -> GroupResult:
-    prompt = 8
-    rollouts = [Rollout(torch.randint(0, 50, (tokens,)), torch.rand(tokens - prompt), prompt, float(s % 2), 0)
-                for s in range(request.group_size)]
-    return GroupResult(request, rollouts)
+@functools.cache
+def _completions(group_size: int, length: int) -> list[Completion]:
+    return [Completion(torch.randint(4, 50, (length,)).tolist(), torch.rand(length).tolist(), FinishReason.LENGTH, 0)
+            for _ in range(group_size)]
+
+
+def fake_group(request: Any, tokens: int) -> GroupResult:
+    """A group of ``tokens``-long rows (prompt included), as a backend would return it."""
+    completions = _completions(request.group_size, tokens - len(request.prompt_ids))
+    return GroupResult(request, completions, end_weight_version=0)
 
 
 async def fill(controller: Controller, groups: int, tokens: int) -> int:
     """Commit ``groups`` groups through the controller's real commit path; returns payload bytes."""
     payload = 0
     for _ in range(groups):
-        result = fake_group(controller, await controller.admit(), tokens)
-        payload += sum(r.input_ids.nbytes + r.logprobs.nbytes for r in result.rollouts)
+        result = fake_group(await controller.admit(), tokens)
+        # int64 input_ids and float32 logprobs per row, as they land in TQ.
+        payload += sum(8 * (len(result.request.prompt_ids) + len(c.token_ids)) + 4 * len(c.token_ids)
+                       for c in result.completions)
         await controller.commit(result)
     return payload
 
@@ -250,12 +260,12 @@ class _NoDataPlane:
 async def commit_path(tmp: Path, groups: int = 20_000) -> dict[str, float]:
     """Admit + commit + consume through barrier, index and ledger, with TQ taken out."""
     config = tiny(tmp / "commit", async_rl={"buffer_capacity_groups": groups + 64}, task={"size": groups})
-    controller = Controller(config, _NoDataPlane(), backend=None)  # type: ignore[arg-type]
-    rollouts = [Rollout(torch.zeros(12, dtype=torch.int64), torch.zeros(4), 8, 0.5, 0) for _ in range(8)]
+    policy = build_policy(config.model, config.run.seed)
+    controller = Controller(config, _NoDataPlane(), None, policy, build_task(config.task))  # type: ignore[arg-type]
     started = time.monotonic()
     for _ in range(groups):
         request = await controller.admit()
-        await controller.commit(GroupResult(request, rollouts))
+        await controller.commit(fake_group(request, len(request.prompt_ids) + 4))
     committed = time.monotonic() - started
     started = time.monotonic()
     batch = controller.replay.groups()

@@ -74,6 +74,23 @@ def checkpoint_command(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def model_command(args: argparse.Namespace) -> int:
+    """``init-tiny DIR`` writes a model; ``init-tiny --for-config CONFIG`` writes the one CONFIG names if missing."""
+    from scd.training.init_tiny import init_tiny
+    from scd.training.policy import TINY
+
+    if (args.dir is None) == (args.for_config is None):
+        print("scd: error: give a directory or --for-config CONFIG", file=sys.stderr)
+        return EXIT_CONFIG
+    if args.dir is not None:
+        print(init_tiny(args.dir))
+        return EXIT_OK
+    name = load_config(args.for_config).model.name
+    if name != TINY and not (Path(name) / "config.json").exists():
+        print(init_tiny(Path(name)))
+    return EXIT_OK
+
+
 def _first_scd_error(exc: BaseException) -> ScdError | None:
     if isinstance(exc, ScdError):
         return exc
@@ -98,6 +115,11 @@ def _parser() -> argparse.ArgumentParser:
     report = commands.add_parser("report", help="plots and a summary table from an event log")
     report.add_argument("events", type=Path, help="JSONL event log (telemetry.events_path)")
     report.add_argument("-o", "--out", type=Path, required=True, help="directory for the PNG plots")
+    model = commands.add_parser("model", help="make a local model (no hub downloads)")
+    model_commands = model.add_subparsers(dest="model_command", required=True)
+    init = model_commands.add_parser("init-tiny", help="a random-init Llama and a character tokenizer")
+    init.add_argument("dir", type=Path, nargs="?", help="directory to write the model into")
+    init.add_argument("--for-config", type=Path, help="write the model.name directory of CONFIG if it is missing")
     ckpt = commands.add_parser("checkpoint", help="list, verify or inspect checkpoint bundles")
     ckpt_commands = ckpt.add_subparsers(dest="checkpoint_command", required=True)
     ckpt_commands.add_parser("list", help="bundles in a checkpoint directory").add_argument("dir", type=Path)
@@ -122,6 +144,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "checkpoint":
             return checkpoint_command(args)
+        if args.command == "model":
+            return model_command(args)
         if args.command == "report":
             from scd.telemetry.report import write_report
 

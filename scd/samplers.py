@@ -40,15 +40,18 @@ class Sampler:
         self.dispatched += 1
         return None
 
+    def on_evicted(self, group: GroupMeta) -> None:
+        """A dispatched group was dropped as stale; a gated sampler must not count it as delivered."""
+
     def select(self, ready: Sequence[GroupMeta], trainer_version: int, trainer_step: int) -> list[GroupMeta]:
         """The groups for the next train step, or [] if they are not ready yet. Never a stale one."""
         raise NotImplementedError
 
-    def state(self) -> dict[str, int]:
+    def state(self) -> dict[str, object]:
         return {"dispatched": self.dispatched}
 
-    def load_state(self, state: dict[str, int]) -> None:
-        self.dispatched = state["dispatched"]
+    def load_state(self, state: dict[str, object]) -> None:
+        self.dispatched = int(state["dispatched"])  # type: ignore[call-overload]
 
 
 class WindowedSampler(Sampler):
@@ -76,6 +79,11 @@ class WeightFifoSampler(Sampler):
     def may_dispatch(self, trainer_step: int) -> bool:
         return self.dispatched < self.groups_per_step * (trainer_step + 1 + self.max_staleness_versions)
 
+    def on_evicted(self, group: GroupMeta) -> None:
+        # The quota counts groups that can still be trained: an evicted one frees its slot, or the
+        # step it was meant for could never fill.
+        self.dispatched -= 1
+
     def select(self, ready: Sequence[GroupMeta], trainer_version: int, trainer_step: int) -> list[GroupMeta]:
         fresh = sorted((g for g in ready if not self.is_stale(g, trainer_version)),
                        key=lambda g: g.end_weight_version)
@@ -83,19 +91,42 @@ class WeightFifoSampler(Sampler):
 
 
 class InOrderSampler(Sampler):
-    """Each dispatched group gets a target step; step s trains exactly its own groups."""
+    """Each dispatched group gets a target step; step s trains exactly its own groups.
+
+    A group evicted as stale leaves its step one short; its target goes to the
+    next dispatch, ahead of the quota, so step s always fills and the run never stalls.
+    """
 
     name = "in_order"
     supports_replay_checkpoint = False
     gated = True
 
+    def __init__(self, max_staleness_versions: int, groups_per_step: int) -> None:
+        super().__init__(max_staleness_versions, groups_per_step)
+        self.refill: list[int] = []
+
     def may_dispatch(self, trainer_step: int) -> bool:
-        return self.dispatched // self.groups_per_step <= trainer_step + self.max_staleness_versions
+        ahead = self.dispatched // self.groups_per_step - trainer_step
+        return bool(self.refill) or ahead <= self.max_staleness_versions
 
     def on_dispatch(self) -> int | None:
+        if self.refill:
+            return self.refill.pop(0)
         target = self.dispatched // self.groups_per_step
         self.dispatched += 1
         return target
+
+    def on_evicted(self, group: GroupMeta) -> None:
+        if group.target_step is not None:
+            self.refill.append(group.target_step)
+            self.refill.sort()
+
+    def state(self) -> dict[str, object]:
+        return {"dispatched": self.dispatched, "refill": list(self.refill)}
+
+    def load_state(self, state: dict[str, object]) -> None:
+        super().load_state(state)
+        self.refill = list(state.get("refill", []))  # type: ignore[call-overload]
 
     def select(self, ready: Sequence[GroupMeta], trainer_version: int, trainer_step: int) -> list[GroupMeta]:
         mine = [g for g in ready if g.target_step == trainer_step and not self.is_stale(g, trainer_version)]

@@ -1,8 +1,10 @@
-"""Built-in verifiable tasks, a JSONL task, the character vocabulary and the reward.
+"""Built-in verifiable tasks and a JSONL task: prompt text, answer text, and the score.
 
 A task is a fixed list of prompts, each with the answer a verifier compares
-against.  The completion is exactly as long as the answer, so the reward is the
-fraction of positions where the completion equals the answer.
+against.  Tasks are text: the policy's tokenizer turns a prompt into tokens and
+a completion back into text, and ``score`` is the one place a completion is
+judged.  A completion may use as many tokens as its answer has, so the score is
+the fraction of answer positions the completion's text matches.
 """
 
 from __future__ import annotations
@@ -16,37 +18,19 @@ import orjson
 from scd.config import TaskConfig
 from scd.errors import ConfigError
 
-PAD, BOS, SEP = 0, 1, 2
-_SPECIALS = 3
-ALPHABET = "0123456789abcdefghijklmnopqrstuvwxyz+-*=,.:;()[] "
-VOCAB_SIZE = _SPECIALS + len(ALPHABET)
-_INDEX = {ch: i + _SPECIALS for i, ch in enumerate(ALPHABET)}
-
-
-def encode(text: str) -> list[int]:
-    return [_INDEX[ch] for ch in text]
-
-
-def decode(tokens: list[int]) -> str:
-    return "".join(ALPHABET[t - _SPECIALS] if t >= _SPECIALS else "" for t in tokens)
+# Built-in prompts end with this, so the model knows where its answer starts.
+PROMPT_END = "="
 
 
 @dataclass(frozen=True, slots=True)
 class Prompt:
     prompt_id: int
-    text: str
+    text: str  # exactly what the model is shown
     answer: str
 
-    def prompt_tokens(self) -> list[int]:
-        """BOS, the prompt, SEP: the model answers right after SEP."""
-        return [BOS, *encode(self.text), SEP]
 
-    def answer_tokens(self) -> list[int]:
-        return encode(self.answer)
-
-
-def reward(completion: list[int], answer: list[int]) -> float:
-    """Fraction of answer positions the completion matches."""
+def score(completion: str, answer: str) -> float:
+    """Fraction of answer characters the completion text matches, position by position."""
     hits = sum(1 for got, want in zip(completion, answer, strict=False) if got == want)
     return hits / len(answer)
 
@@ -61,7 +45,7 @@ def build_task(config: TaskConfig) -> list[Prompt]:
         length = rng.randint(config.min_digits, config.max_digits)
         text = "".join(rng.choice("0123456789") for _ in range(length))
         answer = text[::-1] if config.name == "reverse" else "".join(sorted(text))
-        prompts.append(Prompt(prompt_id, text, answer))
+        prompts.append(Prompt(prompt_id, text + PROMPT_END, answer))
     return prompts
 
 
@@ -78,9 +62,6 @@ def _load_jsonl(path: Path) -> list[Prompt]:
             raise ConfigError("task.path", f"{where}: need a JSON object with 'prompt' and 'answer'") from None
         if not isinstance(text, str) or not isinstance(answer, str) or not answer:
             raise ConfigError("task.path", f"{where}: 'prompt' and 'answer' must be strings, answer non-empty")
-        unknown = set(text + answer) - set(ALPHABET)
-        if unknown:
-            raise ConfigError("task.path", f"{where}: characters outside the vocabulary: {sorted(unknown)}")
         prompts.append(Prompt(len(prompts), text, answer))
     if not prompts:
         raise ConfigError("task.path", f"{path} holds no prompts")

@@ -61,6 +61,7 @@ num_cpus = 3
 [generation]
 group_size = 8
 max_inflight_prompts = 16
+[generation.torch]
 batch_groups = 8
 
 [trainer]
@@ -149,6 +150,47 @@ def tiny_config(tmp_path: Path, partition: str, **sections: dict[str, object]) -
     for section, values in sections.items():
         data.setdefault(section, {}).update(values)
     return parse_config(data, REPO / "configs")
+
+
+def toml_text(data: dict[str, Any], prefix: str = "") -> str:
+    """A nested dict of scalars as TOML (stdlib reads TOML but does not write it)."""
+    scalars = {k: v for k, v in data.items() if not isinstance(v, dict)}
+    tables = {k: v for k, v in data.items() if isinstance(v, dict)}
+    lines = [f"[{prefix}]"] if prefix and scalars else []
+    for key, value in scalars.items():
+        rendered = ("true" if value else "false") if isinstance(value, bool) else (
+            f'"{value}"' if isinstance(value, str) else repr(value))
+        lines.append(f"{key} = {rendered}")
+    text = "\n".join(lines) + "\n"
+    for key, table in tables.items():
+        text += toml_text(table, f"{prefix}.{key}" if prefix else key)
+    return text
+
+
+def vllm_cpu_config(directory: Path, model_dir: Path, **sections: dict[str, Any]) -> Path:
+    """configs/vllm-cpu.toml with this test's model, output dir and port, and section overrides."""
+    data = tomllib.loads((REPO / "configs" / "vllm-cpu.toml").read_text())
+    data["run"]["output_dir"] = str(directory / "out")
+    data["model"]["name"] = str(model_dir)
+    data["telemetry"]["metrics_port"] = free_port()
+    for section, values in sections.items():
+        for key, value in values.items():
+            *parents, leaf = key.split(".")
+            table = data.setdefault(section, {})
+            for parent in parents:
+                table = table.setdefault(parent, {})
+            table[leaf] = value
+    path = directory / "scd.toml"
+    path.write_text(toml_text(data))
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random-init HF Llama with a character tokenizer, made locally (no hub)."""
+    from scd.training.init_tiny import init_tiny
+
+    return init_tiny(tmp_path_factory.mktemp("models") / "tiny-llama")
 
 
 def tree_digest(root: Path) -> str:

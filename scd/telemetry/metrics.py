@@ -28,6 +28,13 @@ ledger_prompts = Gauge("scd_ledger_prompts", "Prompts in the ledger by state", [
 groups_evicted_stale = Counter("scd_groups_evicted_stale", "Groups evicted outside the staleness window")
 train_reward_mean = Gauge("scd_train_reward_mean", "Mean reward of the last train step")
 train_staleness = Gauge("scd_train_staleness_versions", "Max weight-version lag in the last train step")
+train_logprob_mismatch = Gauge(
+    "scd_train_logprob_mismatch",
+    "Mean and max |trainer logprob - generation logprob| of the last step's on-policy tokens", ["stat"],
+)
+groups_redispatched = Counter(
+    "scd_generation_groups_redispatched", "Groups generation gave back incomplete (aborted) and dispatched again"
+)
 loop_stall = Histogram(
     "scd_event_loop_stall_seconds", "How late the event loop woke a periodic probe",
     buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 5),

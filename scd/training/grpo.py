@@ -10,8 +10,7 @@ import torch.nn.functional as F
 
 from scd.config import Config
 from scd.records import Rollout
-from scd.tasks import PAD, VOCAB_SIZE
-from scd.training.policy import TinyCausalLM, state_copy
+from scd.training.policy import Policy, state_copy
 
 
 @dataclass(slots=True)
@@ -21,6 +20,11 @@ class StepResult:
     clip_fraction: float
     entropy: float
     tokens: int
+    # |trainer logprob - generation logprob| over the tokens of rows made entirely by the weights
+    # being trained (other rows differ by design); None when the step had no such row.
+    logprob_mismatch_mean: float | None
+    logprob_mismatch_max: float | None
+    logprob_mismatch_tokens: int
 
 
 def group_advantages(rewards: torch.Tensor, eps: float) -> torch.Tensor:
@@ -35,9 +39,10 @@ def completion_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature:
 
 
 class GRPOTrainer:
-    def __init__(self, config: Config, vocab_size: int = VOCAB_SIZE) -> None:
+    def __init__(self, config: Config, policy: Policy) -> None:
         torch.manual_seed(config.run.seed)
-        self.model = TinyCausalLM(config.model, vocab_size)
+        self.policy = policy
+        self.model = policy.build_model()
         self.cfg = config.trainer
         self.temperature = config.generation.temperature
         self.optimizer = torch.optim.AdamW(
@@ -47,14 +52,14 @@ class GRPOTrainer:
     def weights(self) -> dict[str, torch.Tensor]:
         return state_copy(self.model)
 
-    def step(self, groups: Sequence[Sequence[Rollout]]) -> StepResult:
-        """One optimisation step on ``groups``; blocking, run it in a worker thread."""
+    def step(self, groups: Sequence[Sequence[Rollout]], weight_version: int) -> StepResult:
+        """One optimisation step on ``groups`` with the weights of ``weight_version``; blocking (worker thread)."""
         rows = [row for group in groups for row in group]
         advantages = torch.cat([
             group_advantages(torch.tensor([r.reward for r in g]), self.cfg.advantage_eps) for g in groups
         ])
         width = max(len(r.input_ids) for r in rows)
-        tokens = torch.full((len(rows), width), PAD, dtype=torch.int64)
+        tokens = torch.full((len(rows), width), self.policy.pad_id, dtype=torch.int64)
         old_logp = torch.zeros(len(rows), width - 1)
         mask = torch.zeros(len(rows), width - 1)
         for i, r in enumerate(rows):
@@ -66,7 +71,7 @@ class GRPOTrainer:
             mask[i, span] = 1.0
 
         self.model.train()
-        logits = self.model(tokens)
+        logits = self.policy.logits(self.model, tokens)
         new_logp = completion_logprobs(logits, tokens, self.temperature)
         ratio = torch.exp(new_logp - old_logp)
         adv = advantages.unsqueeze(1)
@@ -88,7 +93,13 @@ class GRPOTrainer:
         self.optimizer.step()
         with torch.no_grad():
             clip_fraction = (((ratio - 1).abs() > self.cfg.clip_eps).float() * mask).sum() / n_tokens
+            on_policy = torch.tensor([r.weight_version == weight_version and r.single_version for r in rows])
+            gap = ((new_logp - old_logp).abs() * mask)[on_policy]
+            on_policy_tokens = int(mask[on_policy].sum())
         return StepResult(
             loss=float(loss.detach()), reward_mean=float(torch.tensor([r.reward for r in rows]).mean()),
             clip_fraction=float(clip_fraction), entropy=float(entropy), tokens=int(n_tokens),
+            logprob_mismatch_mean=float(gap.sum() / on_policy_tokens) if on_policy_tokens else None,
+            logprob_mismatch_max=float(gap.max()) if on_policy_tokens else None,
+            logprob_mismatch_tokens=on_policy_tokens,
         )

@@ -1,14 +1,62 @@
-"""A small pre-LayerNorm causal transformer over scd's character vocabulary."""
+"""The policy seam: a tokenizer, a model, and a way to export its weights.
+
+The trainer trains a policy and every generation backend serves the same one.
+``model.name = "tiny"`` is scd's own small transformer over a character
+vocabulary; anything else names a local Hugging Face directory, loaded with
+``AutoModelForCausalLM`` and ``AutoTokenizer`` (never from a hub).
+"""
 
 from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 
 from scd.config import ModelConfig
+from scd.errors import ConfigError
+
+TINY = "tiny"
+
+# The tiny policy's character vocabulary; `scd model init-tiny` gives its HF tokenizer the same characters.
+ALPHABET = "0123456789abcdefghijklmnopqrstuvwxyz+-*=,.:;()[] "
+PAD, BOS, EOS, UNK = 0, 1, 2, 3
+SPECIAL_TOKENS = ("<pad>", "<s>", "</s>", "<unk>")
+_INDEX = {ch: i + len(SPECIAL_TOKENS) for i, ch in enumerate(ALPHABET)}
+
+
+class Policy(Protocol):
+    """What the trainer and the generation backends share."""
+
+    model_dir: Path | None  # a local HF directory, or None for the tiny model
+    pad_id: int
+
+    def encode_prompt(self, text: str) -> list[int]:
+        """Token ids the model sees for a prompt (special tokens included)."""
+        ...
+
+    def encode_answer(self, text: str) -> list[int]:
+        """Token ids of an answer without special tokens: how many tokens a completion may use."""
+        ...
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        """Completion text, special tokens dropped: what the task scores."""
+        ...
+
+    def build_model(self) -> nn.Module:
+        """A fresh model of this policy's architecture and initial weights, in train mode."""
+        ...
+
+    def logits(self, model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+        """Next-token logits ``[batch, time, vocab]`` for right-padded ``tokens``."""
+        ...
 
 
 class TinyCausalLM(nn.Module):
+    """A small pre-LayerNorm causal transformer with learned positions."""
+
     def __init__(self, config: ModelConfig, vocab_size: int) -> None:
         super().__init__()
         self.token = nn.Embedding(vocab_size, config.d_model)
@@ -29,6 +77,85 @@ class TinyCausalLM(nn.Module):
         mask = nn.Transformer.generate_square_subsequent_mask(length, device=tokens.device)
         hidden = self.blocks(hidden, mask=mask, is_causal=True)
         return self.head(self.norm(hidden))
+
+
+class TinyPolicy:
+    model_dir = None
+    pad_id = PAD
+    vocab_size = len(SPECIAL_TOKENS) + len(ALPHABET)
+
+    def __init__(self, config: ModelConfig, seed: int) -> None:
+        self._config = config
+        self._seed = seed
+
+    def encode_prompt(self, text: str) -> list[int]:
+        return [BOS, *self.encode_answer(text)]
+
+    def encode_answer(self, text: str) -> list[int]:
+        return [_INDEX[ch] for ch in text]
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        skip = len(SPECIAL_TOKENS)
+        return "".join(ALPHABET[t - skip] for t in token_ids if t >= skip)
+
+    def check_text(self, text: str, where: str) -> None:
+        unknown = set(text) - set(ALPHABET)
+        if unknown:
+            raise ConfigError("task.path", f"{where}: characters outside the tiny model's vocabulary: "
+                                           f"{sorted(unknown)}")
+
+    def build_model(self) -> nn.Module:
+        torch.manual_seed(self._seed)
+        return TinyCausalLM(self._config, self.vocab_size)
+
+    def logits(self, model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+        return model(tokens)
+
+
+class HFPolicy:
+    """A local Hugging Face causal LM directory (``config.json``, safetensors, tokenizer files)."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        from transformers import AutoTokenizer
+
+        self.model_dir = Path(config.name)
+        self._dtype = getattr(torch, config.dtype)
+        self.tokenizer: Any = AutoTokenizer.from_pretrained(self.model_dir, local_files_only=True)
+        pad = self.tokenizer.pad_token_id
+        self.pad_id = pad if pad is not None else self.tokenizer.eos_token_id or 0
+
+    def encode_prompt(self, text: str) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=True)["input_ids"])
+
+    def encode_answer(self, text: str) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
+
+    def check_text(self, text: str, where: str) -> None:
+        if not self.encode_answer(text):
+            raise ConfigError("task.path", f"{where}: encodes to no tokens under {self.model_dir}")
+
+    def build_model(self) -> nn.Module:
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=self._dtype, local_files_only=True)
+        return model.train()
+
+    def logits(self, model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+        # Right padding: a causal model's logits at real positions never see the pad after them.
+        return model(input_ids=tokens, use_cache=False).logits.float()
+
+
+def build_policy(config: ModelConfig, seed: int) -> TinyPolicy | HFPolicy:
+    if config.name == TINY:
+        return TinyPolicy(config, seed)
+    path = Path(config.name)
+    if not (path / "config.json").is_file():
+        raise ConfigError("model.name", f"{config.name!r} is neither 'tiny' nor a local Hugging Face model "
+                                        "directory with a config.json (make one with `scd model init-tiny DIR`)")
+    return HFPolicy(config)
 
 
 def state_copy(model: nn.Module) -> dict[str, torch.Tensor]:
