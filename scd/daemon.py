@@ -114,6 +114,7 @@ class Controller:
         self.trainer_step = 0
         self.weight_version = 0
         self.committed_groups = 0
+        self.committed_tokens = 0  # completion tokens of committed groups
         self.evicted_stale = 0
         self.metrics_port: int | None = None
         self._in_flight = 0
@@ -121,7 +122,7 @@ class Controller:
         self._changed = anyio.Event()
         self._generated_tokens_seen = 0
         self._checkpoint_due: Reason | None = None
-        self._last_step_mark = (time.monotonic(), 0, 0)
+        self._last_step_mark = (time.monotonic(), 0, 0, 0)
         for phase in ("resolve", "dataloader", "tq", "replay_metadata", "ledger", "total"):
             metrics.restore_phase.labels(phase)
         self._writer_group: anyio.abc.TaskGroup | None = None
@@ -289,9 +290,11 @@ class Controller:
             self.replay.add(group)
             self.ledger.advance(req.group_id, PromptState.READY)
             self._in_flight -= 1
+        completion_tokens = group.tokens - group.prompt_len * len(seq_lens)
         self.committed_groups += 1
+        self.committed_tokens += completion_tokens
         metrics.committed_groups.inc()
-        metrics.committed_tokens.inc(group.tokens - group.prompt_len * len(seq_lens))
+        metrics.committed_tokens.inc(completion_tokens)
         metrics.group_completion_latency.observe(group.committed_at - req.admitted_at)
         self._notify()
 
@@ -407,7 +410,10 @@ class Controller:
         staleness = self.weight_version - min(g.start_weight_version for g in batch)
         self.trainer_step += 1
         self.weight_version += 1
+        sync_started = time.monotonic()
         await self.backend.update_weights(self.trainer.weights(), self.weight_version)
+        weight_sync_s = time.monotonic() - sync_started
+        metrics.weight_sync.observe(weight_sync_s)
         await self.backend.abort_older_than(self.weight_version - self.sampler.max_staleness_versions)
         await self.consume(batch)
         self.ledger.prune_finished_epochs(self.order.state.epoch)
@@ -420,18 +426,20 @@ class Controller:
         log.info("step %d version %d reward %.3f loss %.4f committed %d staleness %d replay %d",
                  self.trainer_step, self.weight_version, result.reward_mean, result.loss,
                  self.committed_groups, staleness, len(self.replay))
-        now, groups, tokens = time.monotonic(), self.committed_groups, self.backend.generated_tokens()
-        last_at, last_groups, last_tokens = self._last_step_mark
-        self._last_step_mark = (now, groups, tokens)
+        now, groups, committed = time.monotonic(), self.committed_groups, self.committed_tokens
+        tokens = self.backend.generated_tokens()
+        last_at, last_groups, last_committed, last_tokens = self._last_step_mark
+        self._last_step_mark = (now, groups, committed, tokens)
         elapsed = max(now - last_at, 1e-9)
         await self.events.emit(
             "train_step", self.trainer_step, epoch=self.order.state.epoch, weight_version=self.weight_version,
             reward_mean=result.reward_mean, loss=result.loss, staleness=staleness,
             prompt_ids=[[g.epoch, g.prompt_id] for g in batch],
             logprob_mismatch_mean=result.logprob_mismatch_mean, logprob_mismatch_max=result.logprob_mismatch_max,
-            logprob_mismatch_tokens=result.logprob_mismatch_tokens,
+            logprob_mismatch_tokens=result.logprob_mismatch_tokens, weight_sync_ms=weight_sync_s * 1e3,
             committed_groups_per_s=(groups - last_groups) / elapsed,
             generated_tokens_per_s=(tokens - last_tokens) / elapsed,
+            committed_tokens_per_s=(committed - last_committed) / elapsed,
         )
 
     async def train_pump(self, max_steps: int, stop: anyio.Event) -> None:

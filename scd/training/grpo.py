@@ -42,7 +42,8 @@ class GRPOTrainer:
     def __init__(self, config: Config, policy: Policy) -> None:
         torch.manual_seed(config.run.seed)
         self.policy = policy
-        self.model = policy.build_model()
+        self.device = torch.device(config.trainer.device)
+        self.model = policy.build_model().to(self.device)
         self.cfg = config.trainer
         self.temperature = config.generation.temperature
         self.optimizer = torch.optim.AdamW(
@@ -50,6 +51,7 @@ class GRPOTrainer:
         )
 
     def weights(self) -> dict[str, torch.Tensor]:
+        """A host-memory copy of the weights, safe to write or ship while training goes on."""
         return state_copy(self.model)
 
     def step(self, groups: Sequence[Sequence[Rollout]], weight_version: int) -> StepResult:
@@ -70,6 +72,8 @@ class GRPOTrainer:
             old_logp[i, span] = r.logprobs
             mask[i, span] = 1.0
 
+        tokens, old_logp, mask = tokens.to(self.device), old_logp.to(self.device), mask.to(self.device)
+        advantages = advantages.to(self.device)
         self.model.train()
         logits = self.policy.logits(self.model, tokens)
         new_logp = completion_logprobs(logits, tokens, self.temperature)
@@ -93,7 +97,8 @@ class GRPOTrainer:
         self.optimizer.step()
         with torch.no_grad():
             clip_fraction = (((ratio - 1).abs() > self.cfg.clip_eps).float() * mask).sum() / n_tokens
-            on_policy = torch.tensor([r.weight_version == weight_version and r.single_version for r in rows])
+            on_policy = torch.tensor([r.weight_version == weight_version and r.single_version for r in rows],
+                                     device=self.device)
             gap = ((new_logp - old_logp).abs() * mask)[on_policy]
             on_policy_tokens = int(mask[on_policy].sum())
         return StepResult(

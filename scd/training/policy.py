@@ -159,5 +159,5 @@ def build_policy(config: ModelConfig, seed: int) -> TinyPolicy | HFPolicy:
 
 
 def state_copy(model: nn.Module) -> dict[str, torch.Tensor]:
-    """A detached copy of the weights, safe to hand to another thread."""
-    return {name: t.detach().clone() for name, t in model.state_dict().items()}
+    """A detached host-memory copy of the weights, safe to hand to another thread."""
+    return {name: t.detach().to("cpu", copy=True) for name, t in model.state_dict().items()}

