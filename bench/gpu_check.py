@@ -89,7 +89,8 @@ class Daemon:
         self.proc.wait()
 
 
-def summarize(events: Path, after_step: int) -> dict[str, Any]:
+def summarize_steps(events: Path, after_step: int) -> dict[str, Any]:
+    """Medians over the train steps after ``after_step + 1`` (the first of a run includes its start-up)."""
     steps = [e for e in map(orjson.loads, events.read_bytes().splitlines())
              if e["event"] == "train_step" and e["step"] > after_step + 1]
     mismatch = [e["logprob_mismatch_max"] for e in steps if e["logprob_mismatch_max"] is not None]
@@ -136,7 +137,7 @@ def main() -> int:
         if second.proc.wait(timeout=1800) != 0:
             raise SystemExit(f"restored run exited {second.proc.returncode}:\n"
                              f"{(root / 'second.log').read_text(errors='replace')[-3000:]}")
-        result = {"device": args.device, "restored_step": step, **summarize(root / "out" / "events.jsonl", step)}
+        result = {"device": args.device, "restored_step": step, **summarize_steps(root / "out" / "events.jsonl", step)}
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / f"gpu_check_{args.device}.json").write_bytes(orjson.dumps(result, option=orjson.OPT_INDENT_2))
     print(orjson.dumps(result, option=orjson.OPT_INDENT_2).decode())

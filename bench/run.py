@@ -21,14 +21,16 @@ import anyio
 import orjson
 import torch
 
+from bench.gpu_check import summarize_steps
 from scd.checkpoint import layout
-from scd.checkpoint.restore import restore_controller
-from scd.checkpoint.save import Reason, capture_cut
+from scd.checkpoint.restore import restore_state
+from scd.checkpoint.save import capture_cut
 from scd.config import Config, parse_config
 from scd.daemon import Controller
 from scd.dataplane import DataPlane
 from scd.generation.base import GroupResult
 from scd.records import Completion, FinishReason
+from scd.schema import Trigger
 from scd.tasks import build_task
 from scd.training.policy import build_policy
 
@@ -74,7 +76,7 @@ async def timed_run(config: Config, steps: int, probe: bool = False) -> dict[str
                 await anyio.sleep(0.01)
                 stalls.append(time.monotonic() - before - 0.01)
 
-        groups0, tokens0 = controller.committed_groups, controller.backend.generated_tokens()
+        groups0, tokens0 = controller.state.committed_groups, controller.backend.generated_tokens()
         started = time.monotonic()
         async with anyio.create_task_group() as tg:
             if probe:
@@ -84,7 +86,7 @@ async def timed_run(config: Config, steps: int, probe: bool = False) -> dict[str
         elapsed = time.monotonic() - started
         out = {
             "steps_per_s": steps / elapsed,
-            "committed_groups_per_s": (controller.committed_groups - groups0) / elapsed,
+            "committed_groups_per_s": (controller.state.committed_groups - groups0) / elapsed,
             "generated_tokens_per_s": (controller.backend.generated_tokens() - tokens0) / elapsed,
         }
         if probe:
@@ -135,6 +137,15 @@ async def fill(controller: Controller, groups: int, tokens: int) -> int:
     return payload
 
 
+async def checkpoint_now(controller: Controller) -> None:
+    """One checkpoint at the current step, written before this returns (the writer runs only for it)."""
+    assert controller.checkpointer is not None
+    async with anyio.create_task_group() as tg:
+        await tg.start(controller.checkpointer.run_writer)
+        await controller.checkpointer.attempt(Trigger.SIGNAL, wait=True)
+        tg.cancel_scope.cancel()
+
+
 def disk_write_bandwidth(directory: Path, size: int = 256 << 20) -> float:
     """Sequential write bandwidth with fsync, bytes/s, on the disk under ``directory``."""
     path = directory / "bandwidth.bin"
@@ -164,11 +175,11 @@ async def snapshot_and_restore(tmp: Path, rows: int = 10_000, tokens: int = 1024
         payload = await fill(controller, rows // group_size, tokens)
         assert controller.checkpointer is not None
         started = time.monotonic()
-        await controller.checkpointer.attempt(controller, Reason.SIGNAL, None)
+        await checkpoint_now(controller)
         checkpoint_s = time.monotonic() - started
         bundle = layout.finalized_bundles(Path(config.checkpointing.dir))[-1]
         legacy = tmp / "replay_buffer.pt"
-        ids = sorted(controller.replay.sample_ids())
+        ids = sorted(controller.state.replay.sample_ids())
         data = await controller.dataplane.get_rows(ids)
         torch.save({"sample_ids": ids, "input_ids": list(data["input_ids"].unbind()),
                     "logprobs": list(data["logprobs"].unbind())}, legacy)
@@ -182,7 +193,8 @@ async def snapshot_and_restore(tmp: Path, rows: int = 10_000, tokens: int = 1024
     load_s = time.monotonic() - started
     await clear("bench")
     async with Controller.open(config) as controller:
-        report = await restore_controller(controller, bundle, allow_config_change=False)
+        report = await restore_state(config, controller.state, controller.dataplane, controller.trainer, bundle,
+                                     allow_config_change=False)
         assert report is not None
     restore_s = report.phases["total"]
 
@@ -215,7 +227,7 @@ async def snapshot_and_restore(tmp: Path, rows: int = 10_000, tokens: int = 1024
 
 
 async def exclusive_hold(tmp: Path) -> dict[str, float]:
-    """Exclusive hold (without the TQ save inside it) with 1k and 10k ready groups of small rows."""
+    """The exclusive hold (TQ's save inside it included) with 1k and 10k ready groups of small rows."""
     out: dict[str, float] = {}
     for groups in (1_000, 10_000):
         config = tiny(tmp / f"hold{groups}", async_rl={"buffer_capacity_groups": groups + 64},
@@ -226,11 +238,11 @@ async def exclusive_hold(tmp: Path) -> dict[str, float]:
             assert controller.checkpointer is not None
             holds, saves, lists = [], [], []
             for attempt in range(3):
-                controller.trainer_step = attempt + 1
+                controller.state.trainer_step = attempt + 1
                 phases: dict[str, float] = {}
                 tmp_dir = tmp / f"hold{groups}-{attempt}"
                 tmp_dir.mkdir(parents=True)
-                await capture_cut(controller, tmp_dir, phases)
+                await capture_cut(controller.state, controller.dataplane, tmp_dir, phases)
                 holds.append(phases["exclusive_hold"])
                 saves.append(phases["tq_save"])
                 lists.append(phases["tq_list"])
@@ -238,8 +250,8 @@ async def exclusive_hold(tmp: Path) -> dict[str, float]:
         out[f"exclusive_hold_ms_{suffix}"] = 1000 * statistics.median(holds)
         out[f"tq_save_ms_{suffix}"] = 1000 * statistics.median(saves)
         out[f"tq_list_ms_{suffix}"] = 1000 * statistics.median(lists)
-        out[f"exclusive_hold_without_tq_list_ms_{suffix}"] = 1000 * statistics.median(
-            h - t for h, t in zip(holds, lists, strict=True))
+        out[f"exclusive_hold_without_tq_ms_{suffix}"] = 1000 * statistics.median(
+            h - t - s for h, t, s in zip(holds, lists, saves, strict=True))
     await clear("bench")
     return out
 
@@ -268,11 +280,28 @@ async def commit_path(tmp: Path, groups: int = 20_000) -> dict[str, float]:
         await controller.commit(fake_group(request, len(request.prompt_ids) + 4))
     committed = time.monotonic() - started
     started = time.monotonic()
-    batch = controller.replay.groups()
+    batch = controller.state.replay.groups()
     for i in range(0, len(batch), 16):
         await controller.consume(batch[i:i + 16])
     consumed = time.monotonic() - started
     return {"commit_path_groups_per_s": groups / committed, "consume_path_groups_per_s": groups / consumed}
+
+
+async def vllm_cpu(tmp: Path, steps: int = 60) -> dict[str, float]:
+    """configs/vllm-cpu.toml in this process (vLLM's engine core is its own process): per-step medians."""
+    from scd.training.init_tiny import init_tiny
+
+    data = tomllib.loads((REPO / "configs" / "vllm-cpu.toml").read_text())
+    data["run"]["output_dir"] = str(tmp / "vllm")
+    data["model"]["name"] = str(init_tiny(tmp / "tiny-llama"))
+    data["telemetry"]["metrics_port"] = 0
+    data["data_plane"]["partition"] = "bench-vllm"
+    config = parse_config(data, REPO / "configs")
+    async with Controller.open(config) as controller:
+        await controller.run(max_steps=steps)
+    # The first steps include the engine's warm-up.
+    measured = summarize_steps(tmp / "vllm" / "events.jsonl", after_step=5)
+    return {f"vllm_cpu_{key}": value for key, value in measured.items() if value is not None}
 
 
 async def main() -> None:
@@ -288,7 +317,8 @@ async def main() -> None:
         with TemporaryDirectory(dir=REPO / "bench") as tmp_name:
             tmp = Path(tmp_name)
             for name, bench in (("commit_path", commit_path), ("overhead", overhead),
-                                ("exclusive_hold", exclusive_hold), ("snapshot", snapshot_and_restore)):
+                                ("exclusive_hold", exclusive_hold), ("snapshot", snapshot_and_restore),
+                                ("vllm_cpu", vllm_cpu)):
                 started = time.monotonic()
                 summary |= await bench(tmp)
                 print(f"[{name}: {time.monotonic() - started:.0f}s]", flush=True)

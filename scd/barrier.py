@@ -31,9 +31,7 @@ class MutationKind(enum.StrEnum):
     COMMIT = "commit"
     CONSUME = "consume"
     EVICT = "evict"
-    RESERVE = "reserve"
     REDISPATCH = "redispatch"
-    CLEAR = "clear"
 
 
 @dataclass(slots=True)
@@ -131,6 +129,3 @@ class CheckpointBarrier:
         finally:
             self._exclusive = False
             self._notify()
-
-    def holds_exclusive(self) -> bool:
-        return self._exclusive

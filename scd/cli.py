@@ -40,7 +40,7 @@ async def run_daemon(config: Config, args: argparse.Namespace) -> None:
         # Signals are handled from the first moment: a SIGTERM during a long restore still drains.
         await tg.start(handle_signals, triggers, name="signals")
         async with Controller.open(config) as controller:
-            await controller.events.emit("start", controller.trainer_step, pid=os.getpid())
+            await controller.events.emit("start", controller.state.trainer_step, pid=os.getpid())
             await controller.restore(args.restore_from, args.allow_config_change)
             if not triggers.shutdown.is_set():
                 await controller.run(triggers, args.max_steps)

@@ -149,10 +149,17 @@ class Config(_Section):
     telemetry: TelemetryConfig = msgspec.field(default_factory=TelemetryConfig)
 
     def fingerprint_fields(self) -> dict[str, object]:
-        """The settings that change what a stored rollout means (DESIGN §4)."""
+        """The settings that change what a stored rollout means (DESIGN §4).
+
+        A JSONL task counts by content, not by path: a file edited in place changes
+        what every stored prompt id means.
+        """
+        task_content = hashlib.sha256(Path(self.task.path).read_bytes()).hexdigest() if self.task.name == "jsonl" \
+            else ""
         return {
             "model": msgspec.to_builtins(self.model),
             "task": msgspec.to_builtins(self.task),
+            "task.content_sha256": task_content,
             "generation.backend": self.generation.backend,
             "generation.group_size": self.generation.group_size,
             "generation.max_new_tokens": self.generation.max_new_tokens,

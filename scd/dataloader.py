@@ -20,18 +20,18 @@ class DataloaderState:
 
 class PromptOrder:
     def __init__(self, num_prompts: int, state: DataloaderState) -> None:
-        self._num_prompts = num_prompts
+        self.num_prompts = num_prompts
         self.state = state
         self._order = self._permutation(state.epoch)
 
     def _permutation(self, epoch: int) -> list[int]:
-        order = list(range(self._num_prompts))
+        order = list(range(self.num_prompts))
         random.Random(self.state.seed * 1_000_003 + epoch).shuffle(order)
         return order
 
     def take(self) -> tuple[int, int]:
         """Advance past the next prompt and return ``(epoch, prompt_id)``."""
-        if self.state.cursor == self._num_prompts:
+        if self.state.cursor == self.num_prompts:
             self.state.epoch += 1
             self.state.cursor = 0
             self._order = self._permutation(self.state.epoch)

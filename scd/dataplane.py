@@ -16,7 +16,6 @@ import os
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -24,7 +23,7 @@ import anyio
 import torch
 
 from scd.config import DataPlaneConfig
-from scd.errors import DataPlaneError
+from scd.errors import DataPlaneError, ShortRead
 from scd.records import Rollout
 
 log = logging.getLogger(__name__)
@@ -37,31 +36,13 @@ os.environ.setdefault("TQ_NUM_THREADS", "1")
 # turns the SIGTERM we drain on into an abort.
 os.environ.setdefault("RAY_DISABLE_FAILURE_SIGNAL_HANDLER", "1")
 
-# Tensor fields of a TQ row.  Per-row scalars (prompt length, reward, weight version) are
-# replay metadata: as tensors each would cost a pickled header per row in a snapshot.
-ROW_FIELDS = ("input_ids", "logprobs")
-
-
-@dataclass(slots=True)
-class DataPlaneStatistics:
-    puts: int = 0
-    gets: int = 0
-    clears: int = 0
-    rows_put: int = 0
-    rows_read: int = 0
-    rows_cleared: int = 0
-    timeouts: int = 0
 
 
 class DataPlane:
     def __init__(self, config: DataPlaneConfig) -> None:
         self.config = config
         self.partition = config.partition
-        self._stats = DataPlaneStatistics()
         self.data_ops = 0  # restore refuses to load into a data plane that has served any
-
-    def statistics(self) -> DataPlaneStatistics:
-        return DataPlaneStatistics(**{f: getattr(self._stats, f) for f in DataPlaneStatistics.__slots__})
 
     @classmethod
     @asynccontextmanager
@@ -102,7 +83,6 @@ class DataPlane:
             with anyio.fail_after(self.config.call_timeout_s):
                 return await fn()
         except TimeoutError:
-            self._stats.timeouts += 1
             raise DataPlaneError(f"TransferQueue {what} timed out after {self.config.call_timeout_s}s; "
                                  "is TQ (Ray) alive?") from None
 
@@ -114,8 +94,6 @@ class DataPlane:
         # with every key by kv_list, the inventory check inside the checkpoint's exclusive hold.
         await self._call("put", lambda: tq.async_kv_batch_put(
             keys=list(sample_ids), partition_id=self.partition, fields=fields))
-        self._stats.puts += 1
-        self._stats.rows_put += len(rows)
 
     async def get_rows(self, sample_ids: Sequence[str]) -> Any:
         """The rows for ``sample_ids`` in that order, as a TensorDict; all of them or an error."""
@@ -125,18 +103,14 @@ class DataPlane:
             keys=list(sample_ids), partition_id=self.partition))
         got = 0 if data is None else data.batch_size[0]
         if got != len(sample_ids):
-            raise DataPlaneError(f"TransferQueue returned {got} of {len(sample_ids)} rows asked for "
+            raise ShortRead(f"TransferQueue returned {got} of {len(sample_ids)} rows asked for "
                                  f"(first asked: {list(sample_ids)[:3]})")
-        self._stats.gets += 1
-        self._stats.rows_read += got
         return data
 
     async def clear(self, sample_ids: Sequence[str]) -> None:
         import transfer_queue as tq
 
         await self._call("clear", lambda: tq.async_kv_clear(list(sample_ids), self.partition))
-        self._stats.clears += 1
-        self._stats.rows_cleared += len(sample_ids)
 
     async def list_ids(self) -> set[str]:
         """TQ's canonical inventory: every key in the partition."""

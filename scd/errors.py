@@ -34,3 +34,7 @@ class DataPlaneError(ScdError):
     """TransferQueue failed, timed out, or returned other rows than asked for."""
 
     exit_code = EXIT_OTHER
+
+
+class ShortRead(DataPlaneError):
+    """TransferQueue answered a read with fewer rows than asked for (it drops unknown keys silently)."""

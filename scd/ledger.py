@@ -13,6 +13,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 from scd.errors import InvariantViolation
+from scd.schema import LedgerDocument, LedgerEntryRecord
 
 
 class PromptState(enum.StrEnum):
@@ -121,18 +122,23 @@ class PromptLedger:
     def entries(self) -> dict[str, LedgerEntry]:
         return self._entries
 
-    def to_json(self) -> dict[str, object]:
-        return {
-            "entries": [[gid, e.epoch, e.prompt_id, e.state.value, e.reason, e.target_step]
-                        for gid, e in self._entries.items()],
-            "pruned": {s.value: n for s, n in self._pruned.items()},
-        }
+    def to_document(self) -> LedgerDocument:
+        return LedgerDocument(
+            entries=[LedgerEntryRecord(gid, e.epoch, e.prompt_id, e.state.value, e.reason, e.target_step)
+                     for gid, e in self._entries.items()],
+            pruned={s.value: n for s, n in self._pruned.items()},
+        )
 
     @classmethod
-    def from_json(cls, data: dict[str, object]) -> PromptLedger:
+    def from_document(cls, document: LedgerDocument) -> PromptLedger:
+        """A ledger from its bundle document; an unknown state raises ``ValueError``."""
         ledger = cls()
-        for gid, epoch, prompt_id, state, reason, target_step in data["entries"]:  # type: ignore[union-attr]
-            ledger._entries[gid] = LedgerEntry(epoch, prompt_id, PromptState(state), reason, target_step)
-        for state, n in data["pruned"].items():  # type: ignore[union-attr]
+        for r in document.entries:
+            if r.group_id != group_id_for(r.epoch, r.prompt_id) or r.group_id in ledger._entries:
+                raise ValueError(f"ledger entry {r.group_id!r} is duplicated or not prompt {r.prompt_id} "
+                                 f"of epoch {r.epoch}")
+            ledger._entries[r.group_id] = LedgerEntry(r.epoch, r.prompt_id, PromptState(r.state), r.reason,
+                                                      r.target_step)
+        for state, n in document.pruned.items():
             ledger._pruned[PromptState(state)] = n
         return ledger

@@ -16,7 +16,7 @@ from scd.errors import InvariantViolation
 from scd.records import Rollout
 
 
-class GroupMeta(msgspec.Struct, frozen=True, kw_only=True):
+class GroupMeta(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     group_id: str
     epoch: int
     prompt_id: int
@@ -25,11 +25,9 @@ class GroupMeta(msgspec.Struct, frozen=True, kw_only=True):
     end_weight_version: int
     prompt_len: int
     seq_lens: tuple[int, ...]
-    fields: tuple[str, ...]
     rewards: tuple[float, ...]
     weight_versions: tuple[int, ...]
     target_step: int | None = None
-    tags: dict[str, str] = msgspec.field(default_factory=dict)
     admitted_at: float = 0.0
     committed_at: float = 0.0
 
@@ -87,9 +85,6 @@ class ReplayIndex:
 
     def __len__(self) -> int:
         return len(self._groups)
-
-    def get(self, group_id: str) -> GroupMeta:
-        return self._groups[group_id]
 
     def groups(self) -> list[GroupMeta]:
         return list(self._groups.values())

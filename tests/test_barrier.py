@@ -140,12 +140,12 @@ def test_random_interleavings_never_overlap_a_cut(ops: list[tuple[str, int]]) ->
 
         async def mutate(delay: int, nested: bool) -> None:
             async with barrier.mutation(MutationKind.COMMIT):
-                assert not barrier.holds_exclusive()
+                assert not barrier.statistics().exclusive_active
                 state["mutating"] += 1
                 await anyio.sleep(delay / 1000)
                 if nested:
                     async with barrier.mutation(MutationKind.EVICT):
-                        assert not barrier.holds_exclusive()
+                        assert not barrier.statistics().exclusive_active
                 state["mutating"] -= 1
             state["done"] += 1
 

@@ -23,13 +23,13 @@ from prometheus_client import REGISTRY
 
 from scd.checkpoint import layout
 from scd.checkpoint.checkpointer import CheckpointFailed
-from scd.checkpoint.save import Outcome, Reason
 from scd.config import DataPlaneConfig
 from scd.daemon import Controller, Triggers
 from scd.dataplane import DataPlane
 from scd.errors import InvariantViolation
 from scd.ledger import PromptState
 from scd.replay import GroupMeta, ReplayIndex
+from scd.schema import Outcome, Trigger
 from tests.conftest import REPO, SCD, tiny_config, tree_digest
 
 PARTITION = "ckpt-golden"
@@ -123,13 +123,13 @@ async def test_restore_gives_back_every_row_tensor_for_tensor(golden: dict[str, 
     await clear_partition()
     async with Controller.open(config) as controller:
         await controller.restore(allow_config_change=True)
-        assert controller.trainer_step == 6
-        assert controller.weight_version == 6
-        rows = await read_rows(controller, sorted(controller.replay.sample_ids()))
-        ready = controller.ledger.in_state(PromptState.READY)
+        assert controller.state.trainer_step == 6
+        assert controller.state.weight_version == 6
+        rows = await read_rows(controller, sorted(controller.state.replay.sample_ids()))
+        ready = controller.state.ledger.in_state(PromptState.READY)
         # Training goes on from the restored state: two more steps, then a final bundle.
         await controller.run(max_steps=8)
-        assert controller.trainer_step == 8
+        assert controller.state.trainer_step == 8
     before = golden["rows"]
     assert set(rows) == set(before) and len(rows) > 0
     for sid, (ids, logprobs) in rows.items():
@@ -173,7 +173,39 @@ BROKEN: list[tuple[str, Callable[[Path], None], str]] = [
     ("cursor behind a restored prompt",
      lambda b: edit_json(b, layout.DATALOADER_FILE, lambda d: d.update(cursor=0)),
      "behind restored prompt"),
+    # Consistent-but-wrong groups (re-signed, digest and counts recomputed): each names its group.
+    ("rewards shorter than the group",
+     lambda b: edit_group(b, lambda g: g.update(rewards=g["rewards"][:-1])),
+     "7 rewards"),
+    ("seq_lens longer than the group",
+     lambda b: edit_group(b, lambda g: g.update(seq_lens=[*g["seq_lens"], 3])),
+     "9 seq_lens"),
+    ("duplicate sample id",
+     lambda b: edit_group(b, lambda g: g["sample_ids"].__setitem__(1, g["sample_ids"][0])),
+     "names rows that are not its own"),
+    ("sample ids swapped between groups", lambda b: swap_sample_ids(b), "names rows that are not its own"),
+    ("no data_plane/",
+     lambda b: (shutil.rmtree(b / layout.DATA_PLANE_DIR), reseal(b)),
+     "holds no data_plane/"),
+    ("no dataloader file",
+     lambda b: ((b / layout.DATALOADER_FILE).unlink(), reseal(b)),
+     "train_dataloader.json is not part of the bundle"),
 ]
+
+
+def edit_group(bundle: Path, change: Callable[[dict[str, Any]], None]) -> None:
+    def edit(sidecar: dict[str, Any]) -> None:
+        change(sidecar["groups"][0])
+        set_digest(sidecar, bundle)
+    edit_json(bundle, layout.SIDECAR_FILE, edit)
+
+
+def swap_sample_ids(bundle: Path) -> None:
+    def edit(sidecar: dict[str, Any]) -> None:
+        first, second = sidecar["groups"][:2]
+        first["sample_ids"], second["sample_ids"] = second["sample_ids"], first["sample_ids"]
+        set_digest(sidecar, bundle)
+    edit_json(bundle, layout.SIDECAR_FILE, edit)
 
 
 @pytest.mark.parametrize(("name", "breaker", "message"), BROKEN, ids=[b[0] for b in BROKEN])
@@ -202,11 +234,14 @@ def _drop_first_group(bundle: Path) -> None:
 
 def _invent_a_group(bundle: Path) -> None:
     def change(sidecar: dict[str, Any]) -> None:
+        # A consumed prompt comes back as ready: a well-formed group whose rows TQ never had.
+        entry = next(e for e in sidecar["ledger"]["entries"] if e[3] == "consumed")
+        entry[3] = "ready"
+        group_id, epoch, prompt_id = entry[:3]
         ghost = dict(sidecar["groups"][0])
-        ghost.update(group_id="e0-p9999", sample_ids=[f"e0-p9999/{i}" for i in range(len(ghost["sample_ids"]))],
-                     prompt_id=9999)
+        ghost.update(group_id=group_id, epoch=epoch, prompt_id=prompt_id,
+                     sample_ids=[f"{group_id}/{i}" for i in range(len(ghost["sample_ids"]))])
         sidecar["groups"].append(ghost)
-        sidecar["ledger"]["entries"].append(["e0-p9999", 0, 9999, "ready", "", None])
         set_digest(sidecar, bundle)
     edit_json(bundle, layout.SIDECAR_FILE, change)
 
@@ -256,20 +291,20 @@ async def test_corrupt_newest_names_the_newest_good_bundle(golden: dict[str, Any
     text = str(info.value)
     assert "step_00000006" in text and "--restore-from" in text and str(root / "step_00000003") in text
     controller = await restore_into_fresh_controller(config_for(root), restore_from=root / "step_00000003")
-    assert controller.trainer_step == 3
+    assert controller.state.trainer_step == 3
 
 
 async def test_leftover_tmp_is_removed_and_never_restored(golden: dict[str, Any], tmp_path: Path) -> None:
     root = copy_bundles(golden, tmp_path)
     shutil.copytree(newest(root), root / "step_00000009.tmp")
     controller = await restore_into_fresh_controller(config_for(root))
-    assert controller.trainer_step == 6
+    assert controller.state.trainer_step == 6
     assert not (root / "step_00000009.tmp").exists()
 
 
 async def test_no_artifact_starts_empty(tmp_path: Path, tq_session: None) -> None:
     controller = await restore_into_fresh_controller(config_for(tmp_path / "nothing-here"))
-    assert controller.trainer_step == 0 and len(controller.replay) == 0
+    assert controller.state.trainer_step == 0 and len(controller.state.replay) == 0
 
 
 async def test_gated_sampler_restores_in_shadow_mode(tmp_path: Path, tq_session: None) -> None:
@@ -279,15 +314,15 @@ async def test_gated_sampler_restores_in_shadow_mode(tmp_path: Path, tq_session:
     await clear_partition()
     async with Controller.open(config) as controller:
         await controller.run(max_steps=3)
-        ready_before = set(controller.ledger.in_state(PromptState.READY))
-        in_flight_before = set(controller.ledger.in_state(PromptState.IN_FLIGHT))
+        ready_before = set(controller.state.ledger.in_state(PromptState.READY))
+        in_flight_before = set(controller.state.ledger.in_state(PromptState.IN_FLIGHT))
     info = orjson.loads((newest(root) / layout.TRAINING_INFO_FILE).read_bytes())
     assert info["supports_replay_checkpoint"] is False
     assert (newest(root) / layout.DATA_PLANE_DIR).is_dir()
     controller = await restore_into_fresh_controller(config_for(root, async_rl=sampler))
-    assert len(controller.replay) == 0
-    assert set(controller.ledger.in_state(PromptState.IN_FLIGHT)) == ready_before | in_flight_before
-    targets = sorted(controller.ledger.entry(g).target_step for g in ready_before | in_flight_before)
+    assert len(controller.state.replay) == 0
+    assert set(controller.state.ledger.in_state(PromptState.IN_FLIGHT)) == ready_before | in_flight_before
+    targets = sorted(controller.state.ledger.entry(g).target_step for g in ready_before | in_flight_before)
     assert targets[0] == 3
 
 
@@ -355,14 +390,14 @@ async def test_checkpoint_requests_coalesce_and_land_at_step_boundaries(tmp_path
     async with Controller.open(config) as controller:
 
         async def operator() -> None:
-            while controller.trainer_step < 2:
+            while controller.state.trainer_step < 2:
                 await anyio.sleep(0.01)
             for _ in range(3):
                 triggers.request_checkpoint()
             while not layout.finalized_bundles(root):
                 await anyio.sleep(0.01)
             signal_step = layout.step_of(layout.finalized_bundles(root)[0])
-            while controller.trainer_step <= (signal_step or 0):
+            while controller.state.trainer_step <= (signal_step or 0):
                 await anyio.sleep(0.01)
             triggers.shutdown.set()
 
@@ -387,7 +422,7 @@ async def test_an_attempt_without_progress_is_skipped_with_its_reason(golden: di
     async with Controller.open(config_for(root)) as controller:
         await controller.restore()
         assert controller.checkpointer is not None
-        assert await controller.checkpointer.attempt(controller, Reason.SIGNAL, None) is Outcome.SKIPPED
+        assert await controller.checkpointer.attempt(Trigger.SIGNAL) is Outcome.SKIPPED
     assert REGISTRY.get_sample_value("scd_checkpoint_attempts_total", labels) == count_before + 1
     assert tree_digest(root) == before
 
@@ -396,7 +431,7 @@ async def test_latest_naming_a_missing_directory_is_only_a_hint(golden: dict[str
     root = copy_bundles(golden, tmp_path)
     (root / layout.LATEST).write_text("step_00000099")
     controller = await restore_into_fresh_controller(config_for(root))
-    assert controller.trainer_step == 6
+    assert controller.state.trainer_step == 6
 
 
 async def test_unwritable_checkpoint_dir_fails_with_io_error_and_stops(tmp_path: Path, tq_session: None) -> None:
@@ -422,3 +457,27 @@ async def test_checkpoint_directories_are_private(golden: dict[str, Any]) -> Non
     for bundle in layout.finalized_bundles(root):
         assert bundle.stat().st_mode & 0o777 == 0o700
         assert (bundle / layout.POLICY_DIR).stat().st_mode & 0o777 == 0o700
+
+
+async def test_a_jsonl_task_edited_in_place_is_refused(tmp_path: Path, tq_session: None) -> None:
+    task = tmp_path / "task.jsonl"
+    rows = [orjson.dumps({"prompt": f"{i:04d}=", "answer": f"{i:04d}"[::-1]}) for i in range(64)]
+    task.write_bytes(b"\n".join(rows))
+    root = tmp_path / "checkpoints"
+    jsonl = {"name": "jsonl", "path": str(task)}
+    await clear_partition()
+    async with Controller.open(config_for(root, task=jsonl)) as controller:
+        await controller.run(max_steps=3)
+    before = tree_digest(root)
+
+    # Same number of rows, one answer changed: prompt ids would silently change meaning.
+    rows[0] = orjson.dumps({"prompt": "0000=", "answer": "1111"})
+    task.write_bytes(b"\n".join(rows))
+    with pytest.raises(InvariantViolation, match=r"step_00000003.*task\.content_sha256"):
+        await restore_into_fresh_controller(config_for(root, task=jsonl))
+
+    # Fewer rows, even with the override: the ledger names prompts the file no longer has.
+    task.write_bytes(b"\n".join(rows[:5]))
+    with pytest.raises(InvariantViolation, match=r"step_00000003.*task\.path holds 5 prompts"):
+        await restore_into_fresh_controller(config_for(root, task=jsonl), allow_config_change=True)
+    assert tree_digest(root) == before

@@ -20,10 +20,10 @@ async def test_reward_rises_and_the_books_balance(tmp_path: Path, partition: str
     steps = 110
     async with Controller.open(config) as controller:
         await controller.run(max_steps=steps)
-        stats = controller.statistics()
+        stats = controller.state.statistics()
         tq_ids = await controller.dataplane.list_ids()
-        replay_ids = set(controller.replay.sample_ids())
-        ledger = controller.ledger
+        replay_ids = set(controller.state.replay.sample_ids())
+        ledger = controller.state.ledger
 
     assert stats.trainer_step == stats.weight_version == steps
     # Exact inventory: TQ holds precisely the rows of the ready groups.

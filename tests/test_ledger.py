@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
@@ -9,6 +10,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from scd.dataloader import DataloaderState, PromptOrder
 from scd.errors import InvariantViolation
 from scd.ledger import PromptLedger, PromptState
+from scd.schema import LedgerDocument
 
 
 class LedgerMachine(RuleBasedStateMachine):
@@ -65,13 +67,14 @@ class LedgerMachine(RuleBasedStateMachine):
 TestLedger = LedgerMachine.TestCase
 
 
-def test_ledger_round_trips_through_json() -> None:
+def test_ledger_round_trips_through_its_bundle_document() -> None:
     ledger = PromptLedger()
     a = ledger.admit(0, 3)
     ledger.admit(0, 4)
     ledger.advance(a, PromptState.READY)
     ledger.advance(a, PromptState.DROPPED, "stale")
-    again = PromptLedger.from_json(ledger.to_json())
+    encoded = msgspec.json.encode(ledger.to_document())
+    again = PromptLedger.from_document(msgspec.json.decode(encoded, type=LedgerDocument))
     assert again.counts() == ledger.counts()
     assert again.entry(a).reason == "stale"
 

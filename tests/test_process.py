@@ -13,7 +13,7 @@ import orjson
 
 from scd.checkpoint import layout
 from scd.checkpoint.verify import verify_bundle
-from tests.conftest import ScdProcess, free_port, write_config
+from tests.conftest import ScdProcess, free_port, tree_digest, write_config
 
 
 def scrape(port: int, path: str = "/metrics") -> str:
@@ -122,3 +122,21 @@ def test_sigusr1_produces_a_new_finalized_bundle(tmp_path: Path, scd_processes: 
     assert scd.wait(timeout=60) == 0, scd.output()[-3000:]
     assert "(shutdown)" in scd.output()
     assert len(layout.finalized_bundles(root)) == 2
+
+
+def test_a_failed_last_checkpoint_exits_one_and_keeps_the_good_bundle(tmp_path: Path,
+                                                                        scd_processes: list[ScdProcess]) -> None:
+    config = write_config(tmp_path, max_steps=100, extra="\n[checkpointing]\nenabled = true\ninterval_s = 3600\n")
+    root = tmp_path / "out" / "checkpoints"
+    first = ScdProcess(config, "--max-steps", "2")
+    scd_processes.append(first)
+    assert first.wait(timeout=300) == 0, first.output()[-3000:]
+    [good] = layout.finalized_bundles(root)
+    before = tree_digest(root)
+    second = ScdProcess(config, "--max-steps", "4", env={"SCD_FAULT": "mid_sidecar_write=enospc"})
+    scd_processes.append(second)
+    assert second.wait(timeout=300) == 1, second.output()[-3000:]
+    out = second.output()
+    assert "final checkpoint at step 4 failed (disk_full" in out
+    assert f"newest good bundle is {good}" in out
+    assert tree_digest(root) == before

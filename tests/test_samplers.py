@@ -15,7 +15,7 @@ from scd.samplers import BUILTIN_SAMPLERS, InOrderSampler, WindowedSampler, buil
 def group(i: int, version: int, target: int | None = None) -> GroupMeta:
     return GroupMeta(group_id=f"g{i}", epoch=0, prompt_id=i, sample_ids=(f"g{i}/0", f"g{i}/1"),
                      start_weight_version=version, end_weight_version=version, prompt_len=2, seq_lens=(3, 3),
-                     fields=("input_ids",), rewards=(0.0, 1.0), weight_versions=(version, version),
+                     rewards=(0.0, 1.0), weight_versions=(version, version),
                      target_step=target)
 
 

@@ -158,15 +158,15 @@ async def test_an_aborted_group_is_never_committed_and_goes_back_to_dispatch(
             await controller.commit(result)
         again = await controller.redispatch_aborted(result)
         assert again.group_id == req.group_id
-        entry = controller.ledger.entry(req.group_id)
+        entry = controller.state.ledger.entry(req.group_id)
         assert entry.state is PromptState.IN_FLIGHT and "stale" in entry.reason
-        assert len(controller.replay) == 0 and await controller.dataplane.list_ids() == set()
+        assert len(controller.state.replay) == 0 and await controller.dataplane.list_ids() == set()
 
 
 def ledger_accounts_for_every_admission(controller: Controller) -> None:
     """No prompt lost: every admitted prompt (cursor) has exactly one ledger entry."""
-    counts = controller.ledger.counts()
-    state = controller.order.state
+    counts = controller.state.ledger.counts()
+    state = controller.state.order.state
     assert sum(counts.values()) == state.epoch * len(controller.prompts) + state.cursor
 
 
@@ -181,7 +181,7 @@ async def test_drain_and_aborts_commit_no_truncated_group_and_lose_no_prompt(
     async with Controller.open(config, backend=engine) as controller:
 
         async def shut_down_mid_generation() -> None:
-            while controller.trainer_step < 3 or not engine._running:
+            while controller.state.trainer_step < 3 or not engine._running:
                 await anyio.sleep(0.01)
             triggers.shutdown.set()
 
@@ -189,8 +189,8 @@ async def test_drain_and_aborts_commit_no_truncated_group_and_lose_no_prompt(
             tg.start_soon(shut_down_mid_generation)
             await controller.run(triggers, max_steps=1_000)
         ledger_accounts_for_every_admission(controller)
-        in_flight = set(controller.ledger.in_state(PromptState.IN_FLIGHT))
-        ready = controller.replay.groups()
+        in_flight = set(controller.state.ledger.in_state(PromptState.IN_FLIGHT))
+        ready = controller.state.replay.groups()
         # Whatever generation had not finished stays in flight (redispatched at the next start);
         # what was committed is whole.
         assert in_flight.isdisjoint(g.group_id for g in ready)
@@ -208,7 +208,7 @@ async def test_gated_samplers_reach_max_steps_on_vllm(engine: VLLMBackend, tiny_
     async with Controller.open(config, backend=engine) as controller:
         with anyio.fail_after(240):
             await controller.run(max_steps=12)
-        assert controller.trainer_step == 12
+        assert controller.state.trainer_step == 12
         ledger_accounts_for_every_admission(controller)
         await controller.dataplane.clear_all()
 

@@ -1,9 +1,13 @@
-"""Checkpoint attempts: skip or take, write in the background, count outcomes, bound retries.
+"""Checkpoint attempts: skip or take, hand to the one writer, count outcomes, bound retries.
 
-Every attempt ends in exactly one recorded outcome with a reason from
-``save.Reason``.  An invariant violation stops the daemon at once; I/O errors
-and timeouts are retried at the next opportunity until
-``max_consecutive_failures`` in a row, then the daemon stops with exit 1.
+The checkpointer works on the controller's parts (its state, the data plane,
+the trainer), never on the controller.  One long-lived ``run_writer`` task
+takes bundles from a stream with no buffer, so one write at a time holds by
+construction: an attempt while the writer is busy is skipped
+(``already_running``).  Every attempt is recorded once with what really
+happened: scheduled (the writer has it), completed, skipped or failed.  An
+invariant violation stops the daemon at once; I/O errors and timeouts are
+retried at the next opportunity until ``max_consecutive_failures`` in a row.
 """
 
 from __future__ import annotations
@@ -12,38 +16,27 @@ import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import anyio
-from anyio.abc import TaskGroup
+from anyio.abc import TaskStatus
 
 from scd.barrier import MutationKind
 from scd.checkpoint import layout
-from scd.checkpoint.save import (
-    OUTCOME_REASONS,
-    Outcome,
-    PendingBundle,
-    Reason,
-    capture_cut,
-    discard_tmp,
-    failure_reason,
-    trainer_state_copy,
-    write_bundle,
-)
-from scd.config import CheckpointingConfig
+from scd.checkpoint.save import BundleContext, PendingBundle, capture_cut, discard_tmp, failure_reason, write_bundle
+from scd.config import Config
+from scd.dataplane import DataPlane
 from scd.errors import InvariantViolation, ScdError
+from scd.schema import OUTCOME_REASONS, CheckpointPhase, Outcome, SkipReason, Trigger
+from scd.state import ControllerState
 from scd.telemetry import metrics
 from scd.telemetry.events import EventLog
-
-if TYPE_CHECKING:
-    from scd.daemon import Controller
+from scd.training.grpo import GRPOTrainer
 
 log = logging.getLogger(__name__)
-PHASES = ("total", "tq_save", "barrier_wait", "exclusive_hold", "sidecar_write", "commit", "tq_list")
 
 
 class CheckpointFailed(ScdError):
-    """Too many consecutive retryable checkpoint failures."""
+    """Checkpointing gave up: too many failures in a row, or the last checkpoint before exit failed."""
 
 
 @dataclass(slots=True)
@@ -57,22 +50,31 @@ class CheckpointerStatistics:
 
 
 class Checkpointer:
-    def __init__(self, config: CheckpointingConfig, events: EventLog) -> None:
-        self.root = Path(config.dir)
-        self.keep_last = config.keep_last
-        self.max_consecutive_failures = config.max_consecutive_failures
+    def __init__(self, config: Config, events: EventLog, state: ControllerState, dataplane: DataPlane,
+                 trainer: GRPOTrainer) -> None:
+        ckpt = config.checkpointing
+        self.root = Path(ckpt.dir)
+        self.keep_last = ckpt.keep_last
+        self.max_consecutive_failures = ckpt.max_consecutive_failures
         self.events = events
         self.last_completed_step: int | None = None
         self.consecutive_failures = 0
+        self._state, self._dataplane, self._trainer = state, dataplane, trainer
+        self._context = BundleContext(
+            partition=config.data_plane.partition, capacity=config.async_rl.buffer_capacity_groups,
+            group_size=config.generation.group_size, fingerprint=config.fingerprint(),
+            fingerprint_fields=config.fingerprint_fields(),
+        )
         self._counts = {outcome: 0 for outcome in Outcome}
         self._last_success_wall: float | None = None
+        self._to_writer, self._writer_in = anyio.create_memory_object_stream[PendingBundle](0)
         self._idle = anyio.Event()
         self._idle.set()
-        metrics.checkpoint_interval.set(config.interval_s)
+        metrics.checkpoint_interval.set(ckpt.interval_s)
         for outcome, reason in OUTCOME_REASONS:
-            metrics.checkpoint_attempts.labels(outcome.value, reason.value)
-        for phase in PHASES:
-            metrics.checkpoint_phase.labels(phase)
+            metrics.checkpoint_attempts.labels(outcome.value, reason)
+        for phase in CheckpointPhase:
+            metrics.checkpoint_phase.labels(phase.value)
         for kind in MutationKind:
             metrics.checkpoint_blocked_mutations.labels(kind.value)
 
@@ -83,32 +85,39 @@ class Checkpointer:
             last_completed_step=self.last_completed_step, writing=not self._idle.is_set(),
         )
 
-    async def wait_idle(self) -> None:
-        await self._idle.wait()
+    def newest_good_bundle(self) -> str:
+        bundles = layout.finalized_bundles(self.root)
+        return str(bundles[-1]) if bundles else f"none in {self.root}"
 
-    async def _record(self, outcome: Outcome, reason: Reason, step: int, **fields: object) -> None:
+    async def _record(self, outcome: Outcome, reason: str, step: int, **fields: object) -> None:
         self._counts[outcome] += 1
-        metrics.checkpoint_attempts.labels(outcome.value, reason.value).inc()
-        await self.events.emit("checkpoint", step, outcome=outcome.value, reason=reason.value, **fields)
+        if outcome is not Outcome.SCHEDULED:
+            metrics.checkpoint_attempts.labels(outcome.value, reason).inc()
+        since = time.time() - self._last_success_wall if self._last_success_wall is not None else None
+        await self.events.emit("checkpoint", step, outcome=outcome.value, reason=reason,
+                               since_last_success_s=since, **fields)
 
-    async def attempt(self, controller: Controller, trigger: Reason, writer_group: TaskGroup | None) -> Outcome:
+    async def attempt(self, trigger: Trigger, *, wait: bool = False) -> Outcome:
         """Take a checkpoint at this train-step boundary, or record why not.
 
         The cut and the copy of the trainer's state happen here, while the train pump
-        waits; writing happens in ``writer_group`` (or inline when it is None, for the
-        final checkpoint).
+        waits; the writer writes.  With ``wait`` (the checkpoint before exit) this
+        returns the write's own outcome, waiting for a write in progress first;
+        otherwise SCHEDULED once the writer has the bundle.
         """
-        step = controller.trainer_step
-        if not self._idle.is_set():
-            await self._record(Outcome.SKIPPED, Reason.ALREADY_RUNNING, step, trigger=trigger.value)
+        step = self._state.trainer_step
+        if wait:
+            await self._idle.wait()
+        elif not self._idle.is_set():
+            await self._record(Outcome.SKIPPED, SkipReason.ALREADY_RUNNING, step, trigger=trigger.value)
             return Outcome.SKIPPED
         if step == self.last_completed_step:
-            await self._record(Outcome.SKIPPED, Reason.NO_PROGRESS, step, trigger=trigger.value)
+            await self._record(Outcome.SKIPPED, SkipReason.NO_PROGRESS, step, trigger=trigger.value)
             return Outcome.SKIPPED
         final = layout.step_dir(self.root, step)
         if final.exists():
             log.error("checkpoint %s exists already (restored from an older bundle?): not overwriting it", final)
-            await self._record(Outcome.SKIPPED, Reason.BUNDLE_EXISTS, step, trigger=trigger.value)
+            await self._record(Outcome.SKIPPED, SkipReason.BUNDLE_EXISTS, step, trigger=trigger.value)
             return Outcome.SKIPPED
 
         tmp = layout.tmp_dir(self.root, step)
@@ -118,8 +127,8 @@ class Checkpointer:
             discard_tmp(tmp)
             self.root.mkdir(mode=layout.DIR_MODE, parents=True, exist_ok=True)
             tmp.mkdir(mode=layout.DIR_MODE)
-            cut = await capture_cut(controller, tmp, phases)
-            model, optimizer = trainer_state_copy(controller)
+            cut = await capture_cut(self._state, self._dataplane, tmp, phases)
+            model, optimizer = self._trainer.state_copy()
         except Exception as exc:
             await self._failed(tmp, trigger, exc, step)
             return Outcome.FAILED
@@ -128,31 +137,43 @@ class Checkpointer:
             raise
         pending = PendingBundle(cut, model, optimizer, tmp, final, trigger, phases, started)
         self._idle = anyio.Event()
-        if writer_group is None:
-            await self._write(pending)
-        else:
-            writer_group.start_soon(self._write, pending, name="checkpoint_writer")
-        return Outcome.COMPLETED
+        await self._to_writer.send(pending)
+        await self._record(Outcome.SCHEDULED, trigger.value, step)
+        if not wait:
+            return Outcome.SCHEDULED
+        await pending.done.wait()
+        assert pending.outcome is not None
+        return pending.outcome
 
-    async def _write(self, pending: PendingBundle) -> None:
-        try:
-            await self._write_and_record(pending)
-        finally:
-            # Idle only once the outcome is recorded: a final checkpoint waits for it.
-            self._idle.set()
+    async def run_writer(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        """The one task that writes bundles, one at a time, in the order they were cut."""
+        task_status.started()
+        # The stream outlives any one run (a controller may run several times); it is never closed.
+        while True:
+            pending = await self._writer_in.receive()
+            try:
+                # A failure that ends the run (invariant violation, too many in a row, the last
+                # checkpoint before exit) propagates from here and stops the daemon's task group.
+                pending.outcome = await self._write_and_record(pending)
+            except BaseException:
+                pending.outcome = Outcome.FAILED
+                raise
+            finally:
+                self._idle.set()
+                pending.done.set()
 
-    async def _write_and_record(self, pending: PendingBundle) -> None:
+    async def _write_and_record(self, pending: PendingBundle) -> Outcome:
         step = pending.cut.step
         try:
-            sizes = await anyio.to_thread.run_sync(write_bundle, pending, self.keep_last)
+            sizes = await anyio.to_thread.run_sync(write_bundle, pending, self.keep_last, self._context)
         except Exception as exc:
-            await self._failed(pending.tmp, pending.reason, exc, step)
-            return
+            await self._failed(pending.tmp, pending.trigger, exc, step)
+            return Outcome.FAILED
         except BaseException:
             discard_tmp(pending.tmp)
             raise
         now = time.time()
-        pending.phases["total"] = time.monotonic() - pending.started
+        pending.phases[CheckpointPhase.TOTAL] = time.monotonic() - pending.started
         for phase, seconds in pending.phases.items():
             metrics.checkpoint_phase.labels(phase).observe(seconds)
         metrics.last_checkpoint_timestamp.set(now)
@@ -160,26 +181,32 @@ class Checkpointer:
         metrics.checkpoint_data_plane_bytes.set(sizes["data_plane_bytes"])
         if self._last_success_wall is not None:
             metrics.checkpoint_effective_cadence.set(now - self._last_success_wall)
-        self._last_success_wall = now
         self.last_completed_step = step
         self.consecutive_failures = 0
         log.info("checkpoint %s (%s): total %.3fs, tq_save %.3fs, exclusive hold %.1f ms, %d groups",
-                 pending.final.name, pending.reason.value, pending.phases["total"], pending.phases["tq_save"],
-                 1000 * pending.phases["exclusive_hold"], len(pending.cut.groups))
-        await self._record(Outcome.COMPLETED, pending.reason, step, bundle=str(pending.final),
+                 pending.final.name, pending.trigger.value, pending.phases[CheckpointPhase.TOTAL],
+                 pending.phases[CheckpointPhase.TQ_SAVE], 1000 * pending.phases[CheckpointPhase.EXCLUSIVE_HOLD],
+                 len(pending.cut.groups))
+        await self._record(Outcome.COMPLETED, pending.trigger.value, step, bundle=str(pending.final),
                            phases=pending.phases, groups=len(pending.cut.groups), **sizes)
+        self._last_success_wall = now
+        return Outcome.COMPLETED
 
-    async def _failed(self, tmp: Path, trigger: Reason, exc: Exception, step: int) -> None:
+    async def _failed(self, tmp: Path, trigger: Trigger, exc: Exception, step: int) -> None:
         discard_tmp(tmp)
         reason = failure_reason(exc)
-        await self._record(Outcome.FAILED, reason, step, trigger=trigger.value, error=str(exc))
+        await self._record(Outcome.FAILED, reason.value, step, trigger=trigger.value, error=str(exc))
         if isinstance(exc, InvariantViolation):
             raise exc
         self.consecutive_failures += 1
         log.error("checkpoint at step %d failed (%s, %d in a row): %s", step, reason.value,
                   self.consecutive_failures, exc)
+        if trigger in (Trigger.SHUTDOWN, Trigger.FINAL):
+            raise CheckpointFailed(
+                f"the {trigger.value} checkpoint at step {step} failed ({reason.value}: {exc}); "
+                f"the newest good bundle is {self.newest_good_bundle()}") from exc
         if self.consecutive_failures >= self.max_consecutive_failures:
             raise CheckpointFailed(
                 f"{self.consecutive_failures} consecutive checkpoint failures (last: {reason.value}: {exc}); "
-                f"the newest good bundle is untouched in {self.root}"
+                f"the newest good bundle is untouched: {self.newest_good_bundle()}"
             ) from exc

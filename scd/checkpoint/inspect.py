@@ -24,11 +24,11 @@ def inspect_bundle(path: Path) -> dict[str, object]:
     verified = verify_bundle(path)
     info = verified.info
     return {
-        "path": str(path), "step": info["step"], "weight_version": info["weight_version"], "epoch": info["epoch"],
-        "sampler": info["sampler"], "supports_replay_checkpoint": info["supports_replay_checkpoint"],
-        "partition": info["partition"], "groups": info["groups"], "samples": info["samples"],
-        "ledger": verified.ledger.counts(), "sidecar_bytes": (path / layout.SIDECAR_FILE).stat().st_size,
-        "data_plane_bytes": layout.dir_bytes(path / layout.DATA_PLANE_DIR), "digest": info["replay_digest"],
-        "capacity": info["capacity"], "time": info["time"], "config_fingerprint": info["config_fingerprint"],
+        "path": str(path), "step": info.step, "weight_version": info.weight_version, "epoch": info.epoch,
+        "sampler": info.sampler, "supports_replay_checkpoint": info.supports_replay_checkpoint,
+        "partition": info.partition, "groups": info.groups, "samples": info.samples,
+        "group_size": info.group_size, "ledger": verified.ledger.counts(), "sidecar_bytes": info.sidecar_bytes,
+        "data_plane_bytes": info.data_plane_bytes, "digest": info.replay_digest, "capacity": info.capacity,
+        "time": info.time, "config_fingerprint": info.config_fingerprint,
     }
 

@@ -13,7 +13,6 @@ import os
 import re
 from pathlib import Path
 
-SCHEMA_VERSION = 1
 POLICY_DIR = "policy"
 MODEL_FILE = "policy/model.pt"
 OPTIMIZER_FILE = "policy/optimizer.pt"

@@ -3,8 +3,9 @@
 Order: resolve -> verify offline (digests before TQ unpickles anything) ->
 check against this run's config -> trainer -> dataloader -> TQ into a clean
 data plane -> replay index (no tensor re-put) with exact inventory -> ledger and
-cursor -> requeue in-flight prompts -> evict stale groups through the sampler ->
-sync weights.  Any failure is an ``InvariantViolation`` (exit 3) naming the bundle.
+cursor -> ``ControllerState.install``.  Any failure is an ``InvariantViolation``
+(exit 3) naming the bundle.  What follows a restore (evicting stale groups,
+syncing weights to generation) is the daemon's, with the state installed here.
 """
 
 from __future__ import annotations
@@ -14,19 +15,21 @@ import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
 from scd import faults
 from scd.checkpoint import layout
 from scd.checkpoint.verify import BundleError, VerifiedBundle, legacy_replay_error, newest_verifying, verify_bundle
+from scd.config import Config
+from scd.dataloader import DataloaderState, PromptOrder
+from scd.dataplane import DataPlane
 from scd.errors import InvariantViolation
 from scd.ledger import PromptLedger, PromptState
-from scd.replay import require_exact_inventory
-
-if TYPE_CHECKING:
-    from scd.daemon import Controller
+from scd.replay import ReplayIndex, require_exact_inventory
+from scd.schema import RestorePhase
+from scd.state import ControllerState, Restored
+from scd.training.grpo import GRPOTrainer
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +39,6 @@ class RestoreReport:
     bundle: Path
     step: int
     groups_restored: int
-    groups_evicted_stale: int
     prompts_redispatched: int
     shadow: bool
     phases: dict[str, float] = field(default_factory=dict)
@@ -71,102 +73,94 @@ def verify_or_point_elsewhere(bundle: Path, explicit: bool) -> VerifiedBundle:
         raise BundleError(bundle, exc.reason + hint) from None
 
 
-def check_against_config(controller: Controller, verified: VerifiedBundle, allow_config_change: bool) -> None:
+def check_against_config(config: Config, state: ControllerState, verified: VerifiedBundle,
+                         allow_config_change: bool) -> None:
     info, bundle = verified.info, verified.path
-    config = controller.config
 
     def refuse(reason: str) -> None:
         raise BundleError(bundle, reason)
 
-    if info["sampler"] != controller.sampler.name:
-        refuse(f"was written with sampler {info['sampler']!r}; this run uses {controller.sampler.name!r}")
-    if info["partition"] != controller.dataplane.partition:
-        refuse(f"holds TQ partition {info['partition']!r}; this run uses {controller.dataplane.partition!r}")
+    if info.sampler != state.sampler.name:
+        refuse(f"was written with sampler {info.sampler!r}; this run uses {state.sampler.name!r}")
+    if info.partition != config.data_plane.partition:
+        refuse(f"holds TQ partition {info.partition!r}; this run uses {config.data_plane.partition!r}")
     in_flight = len(verified.ledger.in_state(PromptState.IN_FLIGHT))
-    if info["groups"] + in_flight > config.async_rl.buffer_capacity_groups:
-        refuse(f"holds {info['groups']} ready groups and {in_flight} prompts in flight, more than "
+    if info.groups + in_flight > config.async_rl.buffer_capacity_groups:
+        refuse(f"holds {info.groups} ready groups and {in_flight} prompts in flight, more than "
                f"async_rl.buffer_capacity_groups = {config.async_rl.buffer_capacity_groups}")
-    if info["config_fingerprint"] != config.fingerprint() and not allow_config_change:
-        saved = info.get("config_fingerprint_fields", {})
-        now = config.fingerprint_fields()
+    if info.config_fingerprint != config.fingerprint() and not allow_config_change:
+        saved, now = info.config_fingerprint_fields, config.fingerprint_fields()
         changed = sorted(k for k in set(saved) | set(now) if saved.get(k) != now.get(k))
         refuse(f"was written under other settings that change what its rollouts mean: {changed}; "
                "pass --allow-config-change to restore anyway")
+    if info.group_size != config.generation.group_size:
+        refuse(f"holds groups of {info.group_size}; generation.group_size is {config.generation.group_size}")
+    beyond = [gid for gid, e in verified.ledger.entries().items() if e.prompt_id >= state.order.num_prompts]
+    if beyond:
+        refuse(f"names prompts the task no longer has (task.path holds {state.order.num_prompts} prompts; "
+               f"first: {beyond[:3]})")
 
 
-async def restore_controller(controller: Controller, restore_from: Path | None,
-                             allow_config_change: bool) -> RestoreReport | None:
+async def restore_state(config: Config, state: ControllerState, dataplane: DataPlane, trainer: GRPOTrainer,
+                        restore_from: Path | None, allow_config_change: bool) -> RestoreReport | None:
     phases: dict[str, float] = {}
     started = clock = time.monotonic()
 
-    def lap(phase: str) -> None:
+    def lap(phase: RestorePhase) -> None:
         nonlocal clock
         now = time.monotonic()
         phases[phase] = phases.get(phase, 0.0) + now - clock
         clock = now
 
-    root = Path(controller.config.checkpointing.dir)
+    root = Path(config.checkpointing.dir)
     bundle = resolve_bundle(root, restore_from)
     if bundle is None:
         log.info("no checkpoint in %s: starting empty", root)
         return None
     verified = verify_or_point_elsewhere(bundle, explicit=restore_from is not None)
-    check_against_config(controller, verified, allow_config_change)
-    info = verified.info
-    shadow = not controller.sampler.supports_replay_checkpoint
-    lap("resolve")
+    check_against_config(config, state, verified, allow_config_change)
+    info, sidecar = verified.info, verified.sidecar
+    shadow = not state.sampler.supports_replay_checkpoint
+    lap(RestorePhase.RESOLVE)
 
     # Trainer: weights and optimizer, tensors only.
-    trainer = controller.trainer
     trainer.model.load_state_dict(torch.load(bundle / layout.MODEL_FILE, weights_only=True))
     trainer.optimizer.load_state_dict(torch.load(bundle / layout.OPTIMIZER_FILE, weights_only=True))
-    controller.trainer_step = info["step"]
-    controller.weight_version = info["weight_version"]
-
     dl = verified.dataloader
-    controller.order.restore(dl["seed"], dl["epoch"], dl["cursor"])
-    lap("dataloader")
+    dataloader = DataloaderState(seed=dl.seed, epoch=dl.epoch, cursor=dl.cursor)
+    require_cursor_ahead_of_ledger(PromptOrder(state.order.num_prompts, dataloader), verified.ledger, bundle)
+    lap(RestorePhase.DATALOADER)
 
-    ledger = verified.ledger
     if shadow:
         log.warning("sampler %s does not support replay recovery: its TQ snapshot was saved in shadow mode; "
-                    "its %d ready groups are generated again", controller.sampler.name, len(verified.groups))
+                    "its %d ready groups are generated again", state.sampler.name, len(sidecar.groups))
     else:
-        await load_into_clean_data_plane(controller, bundle)
-    lap("tq")
+        await load_into_clean_data_plane(dataplane, bundle)
+    lap(RestorePhase.TQ)
 
     if not shadow:
-        for group in verified.groups:
-            controller.replay.add(group)
+        index = ReplayIndex()
+        for group in sidecar.groups:
+            index.add(group)
             faults.hit("during_restore_index")
-        if controller.replay.digest() != info["replay_digest"]:
+        if index.digest() != info.replay_digest:
             raise BundleError(bundle, "rebuilt replay index does not match the recorded digest")
-        require_exact_inventory(controller.replay.sample_ids(), await controller.dataplane.list_ids(),
-                                f"restore of {bundle}")
-        controller.sampler.load_state(verified.sidecar["sampler"]["state"])
-    lap("replay_metadata")
+        require_exact_inventory(index.sample_ids(), await dataplane.list_ids(), f"restore of {bundle}")
+    lap(RestorePhase.REPLAY_METADATA)
 
-    require_cursor_ahead_of_ledger(controller, ledger, bundle)
-    if shadow:
-        for group in verified.groups:
-            ledger.requeue_after_shadow_restore(group.group_id)
-        # Gated samplers: quotas restart at the restored step; requeued prompts get fresh targets.
-        controller.sampler.load_state({"dispatched": controller.trainer_step * controller.sampler.groups_per_step})
-        for group_id in ledger.in_state(PromptState.IN_FLIGHT):
-            ledger.entry(group_id).target_step = controller.sampler.on_dispatch()
-    controller.ledger = ledger
-    redispatched = len(ledger.in_state(PromptState.IN_FLIGHT))
-    lap("ledger")
-
-    evicted = await controller.evict_stale()
-    await controller.backend.update_weights(trainer.weights(), controller.weight_version)
-    phases["total"] = time.monotonic() - started
-    return RestoreReport(bundle, info["step"], len(controller.replay), evicted, redispatched, shadow, phases)
+    state.install(Restored(
+        step=info.step, weight_version=info.weight_version, dataloader=dataloader,
+        groups=[] if shadow else sidecar.groups, ledger=verified.ledger, sampler_state=sidecar.sampler.state,
+        shadow=shadow,
+    ))
+    redispatched = len(state.ledger.in_state(PromptState.IN_FLIGHT))
+    lap(RestorePhase.LEDGER)
+    phases[RestorePhase.TOTAL] = time.monotonic() - started
+    return RestoreReport(bundle, info.step, len(state.replay), redispatched, shadow, phases)
 
 
-async def load_into_clean_data_plane(controller: Controller, bundle: Path) -> None:
+async def load_into_clean_data_plane(dataplane: DataPlane, bundle: Path) -> None:
     """``tq.load_checkpoint`` replaces all of TQ's state: refuse unless nothing has used this data plane."""
-    dataplane = controller.dataplane
     if dataplane.data_ops:
         raise InvariantViolation(f"restore of {bundle}: the data plane already served {dataplane.data_ops} "
                                  "operations; TQ must be loaded before any data op")
@@ -178,10 +172,10 @@ async def load_into_clean_data_plane(controller: Controller, bundle: Path) -> No
     await dataplane.load_snapshot(bundle / layout.DATA_PLANE_DIR)
 
 
-def require_cursor_ahead_of_ledger(controller: Controller, ledger: PromptLedger, bundle: Path) -> None:
+def require_cursor_ahead_of_ledger(order: PromptOrder, ledger: PromptLedger, bundle: Path) -> None:
     """The dataloader cursor must be past every prompt the ledger holds, or prompts would be admitted twice."""
-    epoch, cursor = controller.order.state.epoch, controller.order.state.cursor
-    rank = controller.order.ranks(epoch)
+    epoch, cursor = order.state.epoch, order.state.cursor
+    rank = order.ranks(epoch)
     for group_id, entry in ledger.entries().items():
         if entry.epoch > epoch:
             raise BundleError(bundle, f"dataloader cursor (epoch {epoch}) is behind prompt {group_id} of epoch "

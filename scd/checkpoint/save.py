@@ -1,176 +1,109 @@
-"""Saving a bundle: one cut under the exclusive barrier, then an async writer.
+"""Saving a bundle: one cut under the exclusive barrier, then the writer.
 
-The cut (``capture_cut``) is the only place controller state is read for a
-checkpoint.  Everything else (policy files, sidecar, training_info, fsync,
-rename, ``latest``, retention) happens in ``write_bundle`` while training and
-generation go on.  A failure anywhere removes the ``.tmp`` directory and leaves
-every finalized bundle untouched.
+The cut (``capture_cut``) reads the controller state through
+``ControllerState.snapshot`` together with TQ's native snapshot and proves the
+exact inventory before the barrier is released.  Everything else (policy
+files, sidecar, training_info, digests, fsync, rename, ``latest``, retention)
+happens in ``write_bundle`` while training and generation go on.  A failure
+anywhere removes the ``.tmp`` directory and leaves every finalized bundle
+untouched.
 """
 
 from __future__ import annotations
 
-import copy
-import enum
 import errno
 import os
 import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-import msgspec
-import orjson
+import anyio
 import torch
 
 from scd import faults
 from scd.checkpoint import layout
-from scd.dataloader import DataloaderState
-from scd.errors import DataPlaneError, InvariantViolation
-from scd.replay import GroupMeta, require_exact_inventory
-
-if TYPE_CHECKING:
-    from scd.daemon import Controller
-
-
-class Outcome(enum.StrEnum):
-    COMPLETED = "completed"
-    SKIPPED = "skipped"
-    FAILED = "failed"
-
-
-class Reason(enum.StrEnum):
-    """Why an attempt happened (completed) or did not succeed (skipped, failed)."""
-
-    INTERVAL = "interval"
-    SIGNAL = "signal"
-    SHUTDOWN = "shutdown"
-    FINAL = "final"
-    NO_PROGRESS = "no_progress"
-    ALREADY_RUNNING = "already_running"
-    BUNDLE_EXISTS = "bundle_exists"
-    IO_ERROR = "io_error"
-    DISK_FULL = "disk_full"
-    TIMEOUT = "timeout"
-    INVARIANT_VIOLATION = "invariant_violation"
-
-
-TRIGGERS = (Reason.INTERVAL, Reason.SIGNAL, Reason.SHUTDOWN, Reason.FINAL)
-SKIP_REASONS = (Reason.NO_PROGRESS, Reason.ALREADY_RUNNING, Reason.BUNDLE_EXISTS)
-FAIL_REASONS = (Reason.IO_ERROR, Reason.DISK_FULL, Reason.TIMEOUT, Reason.INVARIANT_VIOLATION)
-OUTCOME_REASONS = (
-    [(Outcome.COMPLETED, r) for r in TRIGGERS]
-    + [(Outcome.SKIPPED, r) for r in SKIP_REASONS]
-    + [(Outcome.FAILED, r) for r in FAIL_REASONS]
+from scd.dataplane import DataPlane
+from scd.errors import DataPlaneError, InvariantViolation, ShortRead
+from scd.replay import require_exact_inventory
+from scd.schema import (
+    CheckpointPhase,
+    DataloaderDocument,
+    FailReason,
+    Outcome,
+    SamplerDocument,
+    Sidecar,
+    TrainingInfo,
+    Trigger,
+    encode,
 )
+from scd.state import ControllerState, Cut
 
 
-def failure_reason(exc: BaseException) -> Reason:
+def failure_reason(exc: BaseException) -> FailReason:
     if isinstance(exc, InvariantViolation):
-        return Reason.INVARIANT_VIOLATION
+        return FailReason.INVARIANT_VIOLATION
+    if isinstance(exc, ShortRead):
+        return FailReason.SHORT_READ
     if isinstance(exc, DataPlaneError | TimeoutError):
-        return Reason.TIMEOUT
+        return FailReason.TIMEOUT
     if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
-        return Reason.DISK_FULL
-    return Reason.IO_ERROR
+        return FailReason.DISK_FULL
+    return FailReason.IO_ERROR
 
 
-@dataclass(slots=True)
-class Cut:
-    """Controller state at one instant, captured under the exclusive barrier."""
+@dataclass(frozen=True, slots=True)
+class BundleContext:
+    """What training_info records about the run beside the cut (from the config, fixed for a run)."""
 
-    step: int
-    weight_version: int
-    epoch: int
-    dataloader: DataloaderState
-    groups: list[GroupMeta]
-    ledger: dict[str, Any]
-    sampler_name: str
-    sampler_state: dict[str, object]
-    supports_replay_checkpoint: bool
     partition: str
     capacity: int
-    replay_digest: str
-    inventory_count: int
+    group_size: int
     fingerprint: str
-    fingerprint_fields: dict[str, object]
-    captured_at: float
+    fingerprint_fields: dict[str, Any]
 
 
 @dataclass(slots=True)
 class PendingBundle:
+    """A cut and the trainer's state copied at it, on its way to the writer."""
+
     cut: Cut
     model: dict[str, torch.Tensor]
     optimizer: dict[str, Any]
     tmp: Path
     final: Path
-    reason: Reason
+    trigger: Trigger
     phases: dict[str, float] = field(default_factory=dict)
     started: float = 0.0
+    # Set by the writer: what became of it.
+    done: anyio.Event = field(default_factory=anyio.Event)
+    outcome: Outcome | None = None
 
 
-async def capture_cut(controller: Controller, tmp: Path, phases: dict[str, float]) -> Cut:
-    """One cut: index, ledger, cursor, sampler and trainer counters, and TQ's snapshot, together.
+async def capture_cut(state: ControllerState, dataplane: DataPlane, tmp: Path, phases: dict[str, float]) -> Cut:
+    """One cut: the controller state and TQ's snapshot, together, with the exact inventory proven.
 
     Under the exclusive barrier no mutation runs, so the TQ snapshot saved into
-    ``tmp/data_plane`` and the metadata captured here describe the same rows;
-    the exact-inventory check proves it before the barrier is released.
-    Records ``barrier_wait``, ``tq_save``, ``tq_list`` (TQ's inventory listing)
-    and ``exclusive_hold`` (the hold without the TQ save inside it) into ``phases``.
+    ``tmp/data_plane`` and the state read here describe the same rows.
     """
     faults.hit("before_barrier")
     wait_started = time.monotonic()
-    async with controller.barrier.exclusive():
+    async with state.barrier.exclusive():
         held_from = time.monotonic()
         faults.hit("in_exclusive_hold")
-        phases["barrier_wait"] = held_from - wait_started
-        replay = controller.replay
-        cut = Cut(
-            step=controller.trainer_step, weight_version=controller.weight_version,
-            epoch=controller.order.state.epoch,
-            dataloader=DataloaderState(**{k: getattr(controller.order.state, k)
-                                          for k in DataloaderState.__slots__}),
-            groups=replay.groups(), ledger=controller.ledger.to_json(),
-            sampler_name=controller.sampler.name, sampler_state=dict(controller.sampler.state()),
-            supports_replay_checkpoint=controller.sampler.supports_replay_checkpoint,
-            partition=controller.dataplane.partition, capacity=controller.config.async_rl.buffer_capacity_groups,
-            replay_digest=replay.digest(), inventory_count=replay.rows,
-            fingerprint=controller.config.fingerprint(),
-            fingerprint_fields=controller.config.fingerprint_fields(), captured_at=time.time(),
-        )
-        expected = replay.sample_ids()
+        phases[CheckpointPhase.BARRIER_WAIT] = held_from - wait_started
+        cut = state.snapshot()
         tq_started = time.monotonic()
-        await controller.dataplane.save_snapshot(tmp / layout.DATA_PLANE_DIR)
-        phases["tq_save"] = time.monotonic() - tq_started
+        await dataplane.save_snapshot(tmp / layout.DATA_PLANE_DIR)
+        phases[CheckpointPhase.TQ_SAVE] = time.monotonic() - tq_started
         faults.hit("after_tq_save")
         list_started = time.monotonic()
-        listed = await controller.dataplane.list_ids()
-        phases["tq_list"] = time.monotonic() - list_started
-        require_exact_inventory(expected, listed, "checkpoint")
-    phases["exclusive_hold"] = time.monotonic() - held_from - phases["tq_save"]
+        listed = await dataplane.list_ids()
+        phases[CheckpointPhase.TQ_LIST] = time.monotonic() - list_started
+        require_exact_inventory(state.replay.sample_ids(), listed, "checkpoint")
+    phases[CheckpointPhase.EXCLUSIVE_HOLD] = time.monotonic() - held_from
     return cut
-
-
-def trainer_state_copy(controller: Controller) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """Weights and optimizer state copied to host memory, so training may go on while they are written."""
-    trainer = controller.trainer
-    return trainer.weights(), copy.deepcopy(trainer.optimizer.state_dict())
-
-
-def _json(data: object) -> bytes:
-    return orjson.dumps(data, option=orjson.OPT_INDENT_2 | orjson.OPT_SORT_KEYS)
-
-
-def sidecar_document(cut: Cut) -> dict[str, object]:
-    return {
-        "schema_version": layout.SCHEMA_VERSION,
-        "partition": cut.partition,
-        "replay_digest": cut.replay_digest,
-        "groups": [msgspec.to_builtins(g) for g in cut.groups],
-        "ledger": cut.ledger,
-        "sampler": {"name": cut.sampler_name, "state": cut.sampler_state,
-                    "supports_replay_checkpoint": cut.supports_replay_checkpoint},
-    }
 
 
 def _write_file(path: Path, data: bytes) -> None:
@@ -178,43 +111,56 @@ def _write_file(path: Path, data: bytes) -> None:
         f.write(data)
 
 
-def write_bundle(pending: PendingBundle, keep_last: int) -> dict[str, int]:
+def write_bundle(pending: PendingBundle, keep_last: int, context: BundleContext) -> dict[str, int]:
     """Write, fsync and finalize one bundle; then point ``latest`` at it and apply retention.
 
     Blocking: runs in a worker thread.  Returns byte counts for telemetry.
     """
-    tmp, cut = pending.tmp, pending.cut
-    sidecar_started = time.monotonic()
+    tmp, cut, phases = pending.tmp, pending.cut, pending.phases
+    clock = time.monotonic()
+
+    def lap(phase: CheckpointPhase) -> None:
+        nonlocal clock
+        now = time.monotonic()
+        phases[phase] = now - clock
+        clock = now
+
     (tmp / layout.POLICY_DIR).mkdir(mode=layout.DIR_MODE, exist_ok=True)
     torch.save(pending.model, tmp / layout.MODEL_FILE)
     torch.save(pending.optimizer, tmp / layout.OPTIMIZER_FILE)
-    in_flight = [gid for gid, _, _, state, *_ in cut.ledger["entries"] if state == "in_flight"]
-    _write_file(tmp / layout.DATALOADER_FILE, _json({
-        "schema_version": layout.SCHEMA_VERSION, "seed": cut.dataloader.seed, "epoch": cut.dataloader.epoch,
-        "cursor": cut.dataloader.cursor, "redispatch": in_flight,
-    }))
+    lap(CheckpointPhase.POLICY_WRITE)
+
+    dl = cut.dataloader
+    _write_file(tmp / layout.DATALOADER_FILE,
+                encode(DataloaderDocument(seed=dl.seed, epoch=dl.epoch, cursor=dl.cursor), indent=True))
     # Compact: the sidecar grows with the buffer (training_info stays indented for people).
-    sidecar = orjson.dumps(sidecar_document(cut), option=orjson.OPT_SORT_KEYS)
+    sidecar = encode(Sidecar(
+        partition=context.partition, replay_digest=cut.replay_digest, groups=cut.groups, ledger=cut.ledger,
+        sampler=SamplerDocument(name=cut.sampler_name, state=cut.sampler_state,
+                                supports_replay_checkpoint=cut.supports_replay_checkpoint),
+    ))
     with (tmp / layout.SIDECAR_FILE).open("wb") as f:
         f.write(sidecar[: len(sidecar) // 2])
         f.flush()
         faults.hit("mid_sidecar_write")
         f.write(sidecar[len(sidecar) // 2 :])
+    lap(CheckpointPhase.SIDECAR_WRITE)
+
     files = layout.bundle_files(tmp)
     data_plane_bytes = layout.dir_bytes(tmp / layout.DATA_PLANE_DIR)
-    _write_file(tmp / layout.TRAINING_INFO_FILE, _json({
-        "schema_version": layout.SCHEMA_VERSION,
-        "step": cut.step, "weight_version": cut.weight_version, "epoch": cut.epoch,
-        "sampler": cut.sampler_name, "supports_replay_checkpoint": cut.supports_replay_checkpoint,
-        "partition": cut.partition, "replay_digest": cut.replay_digest, "groups": len(cut.groups),
-        "samples": cut.inventory_count, "capacity": cut.capacity, "time": cut.captured_at,
-        "config_fingerprint": cut.fingerprint, "config_fingerprint_fields": cut.fingerprint_fields,
-        "files": files, "sidecar_bytes": len(sidecar), "data_plane_bytes": data_plane_bytes,
-    }))
-    layout.fsync_tree(tmp)
-    pending.phases["sidecar_write"] = time.monotonic() - sidecar_started
+    lap(CheckpointPhase.HASH)
 
-    commit_started = time.monotonic()
+    _write_file(tmp / layout.TRAINING_INFO_FILE, encode(TrainingInfo(
+        step=cut.step, weight_version=cut.weight_version, epoch=dl.epoch, group_size=context.group_size,
+        sampler=cut.sampler_name, supports_replay_checkpoint=cut.supports_replay_checkpoint,
+        partition=context.partition, replay_digest=cut.replay_digest, groups=len(cut.groups),
+        samples=sum(len(g.sample_ids) for g in cut.groups), capacity=context.capacity, time=cut.captured_at,
+        config_fingerprint=context.fingerprint, config_fingerprint_fields=context.fingerprint_fields,
+        files=files, sidecar_bytes=len(sidecar), data_plane_bytes=data_plane_bytes,
+    ), indent=True))
+    layout.fsync_tree(tmp)
+    lap(CheckpointPhase.FSYNC)
+
     marker = tmp / layout.COMMIT_MARKER
     _write_file(marker, layout.sha256_file(tmp / layout.TRAINING_INFO_FILE).encode())
     layout.fsync_path(marker)
@@ -224,7 +170,7 @@ def write_bundle(pending: PendingBundle, keep_last: int) -> dict[str, int]:
     faults.hit("after_finalize_before_latest")
     layout.write_atomic(pending.final.parent / layout.LATEST, pending.final.name.encode())
     apply_retention(pending.final.parent, keep_last)
-    pending.phases["commit"] = time.monotonic() - commit_started
+    lap(CheckpointPhase.COMMIT)
     return {"sidecar_bytes": len(sidecar), "data_plane_bytes": data_plane_bytes}
 
 

@@ -3,21 +3,20 @@
 ``verify_bundle`` never unpickles anything: TQ's files are checked by SHA-256
 against ``training_info.json`` (recorded right after the live exact-inventory
 check), so a tampered ``data_plane/`` is rejected before TQ would load it.
+Every file decodes as its ``scd.schema`` struct, and every group is checked on
+its own: a group can only ever name its own rows.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-import msgspec
-import orjson
 
 from scd.checkpoint import layout
 from scd.errors import InvariantViolation
-from scd.ledger import PromptLedger, PromptState
-from scd.replay import GroupMeta, ReplayIndex
+from scd.ledger import PromptLedger, PromptState, group_id_for
+from scd.replay import GroupMeta, ReplayIndex, sample_ids_for
+from scd.schema import DataloaderDocument, SchemaError, Sidecar, TrainingInfo, decode
 
 
 class BundleError(InvariantViolation):
@@ -32,10 +31,9 @@ class BundleError(InvariantViolation):
 @dataclass(slots=True)
 class VerifiedBundle:
     path: Path
-    info: dict[str, Any]
-    sidecar: dict[str, Any]
-    dataloader: dict[str, Any]
-    groups: list[GroupMeta]
+    info: TrainingInfo
+    sidecar: Sidecar
+    dataloader: DataloaderDocument
     ledger: PromptLedger
 
 
@@ -46,82 +44,80 @@ def legacy_replay_error(path: Path) -> BundleError:
                                     "checkpointing.dir to start empty")
 
 
-def _load_json(bundle: Path, name: str) -> dict[str, Any]:
-    path = bundle / name
-    try:
-        data = orjson.loads(path.read_bytes())
-    except FileNotFoundError:
-        raise BundleError(bundle, f"{name} is missing") from None
-    except orjson.JSONDecodeError as exc:
-        raise BundleError(bundle, f"{name} is not valid JSON (truncated or corrupt): {exc}") from None
-    if not isinstance(data, dict):
-        raise BundleError(bundle, f"{name} is not a JSON object")
-    if data.get("schema_version") != layout.SCHEMA_VERSION:
-        raise BundleError(bundle, f"{name} has schema_version {data.get('schema_version')!r}; "
-                                  f"this scd reads {layout.SCHEMA_VERSION}")
-    return data
-
-
 def _require(ok: bool, bundle: Path, reason: str) -> None:
     if not ok:
         raise BundleError(bundle, reason)
 
 
+def check_group(group: GroupMeta, group_size: int) -> str:
+    """Why ``group`` is malformed, or "": per-sibling fields line up and its ids are its own."""
+    lengths = {len(group.sample_ids), len(group.seq_lens), len(group.rewards), len(group.weight_versions)}
+    if lengths != {group_size}:
+        return (f"group {group.group_id} has {len(group.sample_ids)} sample_ids, {len(group.seq_lens)} seq_lens, "
+                f"{len(group.rewards)} rewards and {len(group.weight_versions)} weight_versions; "
+                f"the group size is {group_size}")
+    if group.group_id != group_id_for(group.epoch, group.prompt_id):
+        return f"group {group.group_id} is not prompt {group.prompt_id} of epoch {group.epoch}"
+    if group.sample_ids != sample_ids_for(group.group_id, group_size):
+        return f"group {group.group_id} names rows that are not its own: {list(group.sample_ids)[:3]}"
+    return ""
+
+
 def verify_bundle(bundle: Path) -> VerifiedBundle:
-    """Schema, file digests, sidecar digest and counts, ledger consistency; raises ``BundleError``."""
+    """Schema, file digests, each group, sidecar digest and counts, ledger consistency; raises ``BundleError``."""
     _require(bundle.is_dir(), bundle, "is not a directory")
     if (bundle / layout.LEGACY_REPLAY_FILE).exists():
         raise legacy_replay_error(bundle / layout.LEGACY_REPLAY_FILE)
     _require(not bundle.name.endswith(".tmp"), bundle, "is an unfinished .tmp directory")
     marker = bundle / layout.COMMIT_MARKER
     _require(marker.is_file(), bundle, f"has no {layout.COMMIT_MARKER} marker: it was never finalized")
-    info = _load_json(bundle, layout.TRAINING_INFO_FILE)
+    try:
+        info = decode(bundle / layout.TRAINING_INFO_FILE, TrainingInfo)
+    except SchemaError as exc:
+        raise BundleError(bundle, str(exc)) from None
     _require(marker.read_bytes().decode(errors="replace") == layout.sha256_file(bundle / layout.TRAINING_INFO_FILE),
              bundle, f"{layout.TRAINING_INFO_FILE} does not match its commit marker (edited after finalize)")
-    for key, kind in (("step", int), ("weight_version", int), ("epoch", int), ("groups", int), ("samples", int),
-                      ("capacity", int), ("sampler", str), ("partition", str), ("replay_digest", str),
-                      ("files", dict), ("config_fingerprint", str)):
-        _require(isinstance(info.get(key), kind), bundle, f"{layout.TRAINING_INFO_FILE}: '{key}' missing or not "
-                                                           f"{kind.__name__}")
 
-    recorded: dict[str, str] = info["files"]
     present = {str(p.relative_to(bundle)) for p in bundle.rglob("*") if p.is_file()}
     present -= {layout.TRAINING_INFO_FILE, layout.COMMIT_MARKER}
-    missing = sorted(set(recorded) - present)
-    unexpected = sorted(present - set(recorded))
+    missing = sorted(set(info.files) - present)
+    unexpected = sorted(present - set(info.files))
     _require(not missing, bundle, f"files missing: {missing[:10]}")
     _require(not unexpected, bundle, f"unexpected files (not written by scd): {unexpected[:10]}")
-    for name, digest in recorded.items():
+    for required in (layout.DATALOADER_FILE, layout.SIDECAR_FILE, layout.MODEL_FILE, layout.OPTIMIZER_FILE):
+        _require(required in info.files, bundle, f"{required} is not part of the bundle")
+    _require(any(name.startswith(layout.DATA_PLANE_DIR + "/") for name in info.files), bundle,
+             f"holds no {layout.DATA_PLANE_DIR}/ (TQ's native snapshot)")
+    for name, digest in info.files.items():
         _require(layout.sha256_file(bundle / name) == digest, bundle,
                  f"{name} does not match its SHA-256 in {layout.TRAINING_INFO_FILE} (corrupt or tampered)")
 
-    sidecar = _load_json(bundle, layout.SIDECAR_FILE)
-    dataloader = _load_json(bundle, layout.DATALOADER_FILE)
     try:
-        groups = msgspec.convert(sidecar["groups"], list[GroupMeta])
-        ledger = PromptLedger.from_json(sidecar["ledger"])
-        sampler = sidecar["sampler"]
-    except (KeyError, TypeError, ValueError, msgspec.ValidationError) as exc:
-        raise BundleError(bundle, f"{layout.SIDECAR_FILE} is malformed: {exc}") from None
+        sidecar = decode(bundle / layout.SIDECAR_FILE, Sidecar)
+        dataloader = decode(bundle / layout.DATALOADER_FILE, DataloaderDocument)
+        ledger = PromptLedger.from_document(sidecar.ledger)
+    except (SchemaError, ValueError) as exc:
+        raise BundleError(bundle, str(exc)) from None
     index = ReplayIndex()
-    for group in groups:
+    for group in sidecar.groups:
+        problem = check_group(group, info.group_size)
+        _require(not problem, bundle, problem)
+        _require(group.group_id not in index, bundle, f"group {group.group_id} appears twice")
         index.add(group)
-    _require(sidecar.get("partition") == info["partition"], bundle, "sidecar and training_info name other partitions")
-    _require(sampler.get("name") == info["sampler"], bundle, "sidecar and training_info name other samplers")
-    _require(len(groups) == info["groups"], bundle,
-             f"sidecar holds {len(groups)} groups, training_info says {info['groups']}")
-    _require(index.rows == info["samples"], bundle,
-             f"sidecar holds {index.rows} samples, training_info says {info['samples']}")
+    _require(sidecar.partition == info.partition, bundle, "sidecar and training_info name other partitions")
+    _require(sidecar.sampler.name == info.sampler, bundle, "sidecar and training_info name other samplers")
+    _require(len(sidecar.groups) == info.groups, bundle,
+             f"sidecar holds {len(sidecar.groups)} groups, training_info says {info.groups}")
+    _require(index.rows == info.samples, bundle,
+             f"sidecar holds {index.rows} samples, training_info says {info.samples}")
     digest = index.digest()
-    _require(digest == info["replay_digest"] == sidecar.get("replay_digest"), bundle,
-             f"replay digest mismatch: sidecar content {digest[:12]}, recorded {info['replay_digest'][:12]}")
+    _require(digest == info.replay_digest == sidecar.replay_digest, bundle,
+             f"replay digest mismatch: sidecar content {digest[:12]}, recorded {info.replay_digest[:12]}")
     ready = set(ledger.in_state(PromptState.READY))
-    _require(ready == {g.group_id for g in groups}, bundle,
+    _require(ready == {g.group_id for g in sidecar.groups}, bundle,
              "ledger's ready prompts and the sidecar's groups differ")
-    _require(dataloader.get("epoch") == info["epoch"], bundle, "dataloader epoch differs from training_info")
-    for key in ("seed", "epoch", "cursor"):
-        _require(isinstance(dataloader.get(key), int), bundle, f"{layout.DATALOADER_FILE}: '{key}' missing")
-    return VerifiedBundle(bundle, info, sidecar, dataloader, groups, ledger)
+    _require(dataloader.epoch == info.epoch, bundle, "dataloader epoch differs from training_info")
+    return VerifiedBundle(bundle, info, sidecar, dataloader, ledger)
 
 
 def newest_verifying(root: Path, below_step: int) -> Path | None:

@@ -24,4 +24,4 @@ class EventLog:
         async with self._lock:
             record = {"event": event, "time": time.time(), "step": step, **fields}
             async with aiofiles.open(self.path, "ab") as f:
-                await f.write(orjson.dumps(record) + b"\n")
+                await f.write(orjson.dumps(record, option=orjson.OPT_NON_STR_KEYS) + b"\n")

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -53,6 +55,15 @@ class GRPOTrainer:
     def weights(self) -> dict[str, torch.Tensor]:
         """A host-memory copy of the weights, safe to write or ship while training goes on."""
         return state_copy(self.model)
+
+    def state_copy(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """Weights and optimizer state copied to host memory, for a checkpoint written while training goes on."""
+        optimizer = self.optimizer.state_dict()
+        return self.weights(), copy.deepcopy({
+            "state": {k: {n: t.to("cpu") if isinstance(t, torch.Tensor) else t for n, t in v.items()}
+                      for k, v in optimizer["state"].items()},
+            "param_groups": optimizer["param_groups"],
+        })
 
     def step(self, groups: Sequence[Sequence[Rollout]], weight_version: int) -> StepResult:
         """One optimisation step on ``groups`` with the weights of ``weight_version``; blocking (worker thread)."""

@@ -1,0 +1,175 @@
+"""The bundle format and the checkpoint vocabulary, defined once.
+
+Every JSON file scd writes into a bundle is one of the msgspec structs below;
+decoding validates types and refuses unknown fields, so a save, verify,
+restore, ``scd checkpoint inspect`` and ``scd report`` can only read what was
+written.  The enums name the phases, triggers, outcomes and reasons that the
+checkpointer records, the metrics label and the report plots.
+"""
+
+from __future__ import annotations
+
+import enum
+from pathlib import Path
+from typing import Any, TypeVar
+
+import msgspec
+
+from scd.replay import GroupMeta
+
+SCHEMA_VERSION = 2
+
+
+class CheckpointPhase(enum.StrEnum):
+    TOTAL = "total"
+    BARRIER_WAIT = "barrier_wait"
+    EXCLUSIVE_HOLD = "exclusive_hold"  # the whole hold: nothing subtracted
+    TQ_SAVE = "tq_save"
+    TQ_LIST = "tq_list"
+    POLICY_WRITE = "policy_write"  # weights and optimizer state to files
+    SIDECAR_WRITE = "sidecar_write"  # dataloader file and replay metadata sidecar
+    HASH = "hash"  # SHA-256 of every bundle file, TQ's snapshot included
+    FSYNC = "fsync"  # training_info written, the whole tree fsynced
+    COMMIT = "commit"  # marker, rename, latest, retention
+
+
+class RestorePhase(enum.StrEnum):
+    RESOLVE = "resolve"
+    DATALOADER = "dataloader"
+    TQ = "tq"
+    REPLAY_METADATA = "replay_metadata"
+    LEDGER = "ledger"
+    TOTAL = "total"
+
+
+class Trigger(enum.StrEnum):
+    """Why a checkpoint was attempted."""
+
+    INTERVAL = "interval"
+    SIGNAL = "signal"
+    SHUTDOWN = "shutdown"
+    FINAL = "final"
+
+
+class Outcome(enum.StrEnum):
+    SCHEDULED = "scheduled"  # cut taken, the writer has it; completed or failed is recorded later
+    COMPLETED = "completed"
+    SKIPPED = "skipped"
+    FAILED = "failed"
+
+
+class SkipReason(enum.StrEnum):
+    NO_PROGRESS = "no_progress"
+    ALREADY_RUNNING = "already_running"
+    BUNDLE_EXISTS = "bundle_exists"
+
+
+class FailReason(enum.StrEnum):
+    IO_ERROR = "io_error"
+    DISK_FULL = "disk_full"
+    TIMEOUT = "timeout"
+    SHORT_READ = "short_read"
+    INVARIANT_VIOLATION = "invariant_violation"
+
+
+# Every (outcome, reason) label pair the attempts counter can carry: a completed attempt is labelled
+# with its trigger, a skipped or failed one with why.
+OUTCOME_REASONS: tuple[tuple[Outcome, str], ...] = (
+    *((Outcome.COMPLETED, t.value) for t in Trigger),
+    *((Outcome.SKIPPED, r.value) for r in SkipReason),
+    *((Outcome.FAILED, r.value) for r in FailReason),
+)
+
+
+class _Document(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    schema_version: int = SCHEMA_VERSION
+
+
+class TrainingInfo(_Document):
+    step: int
+    weight_version: int
+    epoch: int
+    group_size: int
+    sampler: str
+    supports_replay_checkpoint: bool
+    partition: str
+    replay_digest: str
+    groups: int
+    samples: int
+    capacity: int
+    time: float
+    config_fingerprint: str
+    config_fingerprint_fields: dict[str, Any]
+    files: dict[str, str]  # relative path -> SHA-256, every file but this one and the marker
+    sidecar_bytes: int
+    data_plane_bytes: int
+
+
+class LedgerEntryRecord(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
+    group_id: str
+    epoch: int
+    prompt_id: int
+    state: str
+    reason: str
+    target_step: int | None
+
+
+class LedgerDocument(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    entries: list[LedgerEntryRecord]
+    pruned: dict[str, int]
+
+
+class SamplerDocument(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    name: str
+    state: dict[str, Any]
+    supports_replay_checkpoint: bool
+
+
+class Sidecar(_Document):
+    """``replay_buffer_metadata.json``: the replay index and the ledger, no tensors."""
+
+    partition: str
+    replay_digest: str
+    groups: list[GroupMeta]
+    ledger: LedgerDocument
+    sampler: SamplerDocument
+
+
+class DataloaderDocument(_Document):
+    seed: int
+    epoch: int
+    cursor: int
+
+
+D = TypeVar("D", bound=_Document)
+
+
+class SchemaError(ValueError):
+    """A bundle file that does not decode as its struct; the message names the file and the field."""
+
+
+def encode(document: msgspec.Struct, *, indent: bool = False) -> bytes:
+    data = msgspec.json.encode(document, order="sorted")
+    return msgspec.json.format(data, indent=2) if indent else data
+
+
+def decode(path: Path, kind: type[D]) -> D:
+    """Read ``path`` as ``kind``; a missing, corrupt, mistyped or other-version file raises ``SchemaError``."""
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        raise SchemaError(f"{path.name} is missing") from None
+    try:
+        version = msgspec.json.decode(raw, type=_Version).schema_version
+    except msgspec.DecodeError as exc:
+        raise SchemaError(f"{path.name} is not valid JSON (truncated or corrupt): {exc}") from None
+    if version != SCHEMA_VERSION:
+        raise SchemaError(f"{path.name} has schema_version {version!r}; this scd reads {SCHEMA_VERSION}")
+    try:
+        return msgspec.json.decode(raw, type=kind)
+    except msgspec.DecodeError as exc:
+        raise SchemaError(f"{path.name} is malformed: {exc}") from None
+
+
+class _Version(msgspec.Struct):
+    schema_version: int | None = None

@@ -1,0 +1,226 @@
+"""Controller state: what a checkpoint cut captures, and the only code that changes it.
+
+The state is the prompt ledger, the replay index, the prompt order (the
+dataloader cursor), the sampler's dispatch state and the trainer counters.
+
+The rule, said once: **every change to this state happens inside a mutation
+holding the checkpoint barrier's shared side** (``_mutation``, tagged with a
+``MutationKind``), counters and ledger prunes included.  A cut is taken under
+the exclusive side, so it sees every change whole or not at all.  There is no
+other way in or out for checkpoints: ``snapshot()`` reads a cut, ``install()``
+puts a restored one back before any mutation has run.
+
+TQ rows are written here too, inside the same mutations (commit puts, consume
+and evict clear), through the ``RowStore`` the daemon hands in: the rows and
+the index that names them change together.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import anyio
+
+from scd.barrier import CheckpointBarrier, MutationKind
+from scd.dataloader import DataloaderState, PromptOrder
+from scd.errors import InvariantViolation
+from scd.ledger import DropReason, PromptLedger, PromptState
+from scd.records import Rollout
+from scd.replay import GroupMeta, ReplayIndex
+from scd.samplers import Sampler
+from scd.schema import LedgerDocument
+
+
+class RowStore(Protocol):
+    """The data plane's writing side, as the state's mutations use it."""
+
+    async def put_rows(self, sample_ids: Sequence[str], rows: Sequence[Rollout]) -> None: ...
+
+    async def clear(self, sample_ids: Sequence[str]) -> None: ...
+
+
+@dataclass(slots=True)
+class Cut:
+    """The state at one instant, read under the exclusive barrier."""
+
+    step: int
+    weight_version: int
+    dataloader: DataloaderState
+    groups: list[GroupMeta]
+    ledger: LedgerDocument
+    sampler_name: str
+    sampler_state: dict[str, Any]
+    supports_replay_checkpoint: bool
+    replay_digest: str
+    captured_at: float
+
+
+@dataclass(slots=True)
+class Restored:
+    """What a verified bundle puts back; ``groups`` is empty when the sampler restores in shadow mode."""
+
+    step: int
+    weight_version: int
+    dataloader: DataloaderState
+    groups: list[GroupMeta]
+    ledger: PromptLedger
+    sampler_state: dict[str, Any]
+    shadow: bool
+
+
+@dataclass(slots=True)
+class StateStatistics:
+    trainer_step: int
+    weight_version: int
+    epoch: int
+    replay_groups: int
+    replay_rows: int
+    in_flight: int
+    committed_groups: int
+    evicted_stale: int
+    ledger: dict[str, int]
+
+
+class ControllerState:
+    def __init__(self, num_prompts: int, seed: int, sampler: Sampler, rows: RowStore,
+                 barrier: CheckpointBarrier) -> None:
+        self.ledger = PromptLedger()
+        self.replay = ReplayIndex()
+        self.order = PromptOrder(num_prompts, DataloaderState(seed=seed))
+        self.sampler = sampler
+        self.barrier = barrier
+        self.trainer_step = 0
+        self.weight_version = 0
+        self.in_flight = 0
+        self.committed_groups = 0
+        self.evicted_stale = 0
+        self._rows = rows
+
+    def statistics(self) -> StateStatistics:
+        return StateStatistics(
+            trainer_step=self.trainer_step, weight_version=self.weight_version, epoch=self.order.state.epoch,
+            replay_groups=len(self.replay), replay_rows=self.replay.rows, in_flight=self.in_flight,
+            committed_groups=self.committed_groups, evicted_stale=self.evicted_stale, ledger=self.ledger.counts(),
+        )
+
+    @asynccontextmanager
+    async def _mutation(self, kind: MutationKind) -> AsyncIterator[None]:
+        async with self.barrier.mutation(kind):
+            yield
+
+    # ---- mutations -------------------------------------------------------------------------------
+
+    async def admit(self) -> str:
+        """Advance the cursor and record the prompt in flight, as one mutation (atomic admission)."""
+        async with self._mutation(MutationKind.ADMIT):
+            epoch, prompt_id = self.order.take()
+            group_id = self.ledger.admit(epoch, prompt_id, self.sampler.on_dispatch())
+            self.in_flight += 1
+        return group_id
+
+    async def redispatch_in_flight(self) -> list[str]:
+        """Every prompt the ledger holds in flight: a run that stopped mid-generation left them there."""
+        async with self._mutation(MutationKind.REDISPATCH):
+            pending = self.ledger.in_state(PromptState.IN_FLIGHT)
+            self.in_flight = len(pending)
+        return pending
+
+    async def note_redispatch(self, group_id: str, reason: str) -> None:
+        async with self._mutation(MutationKind.REDISPATCH):
+            self.ledger.note_redispatch(group_id, reason)
+
+    async def commit(self, group: GroupMeta, rows: Sequence[Rollout]) -> None:
+        """Put a group's rows and index it; if the put fails, the rows it may have written are cleared.
+
+        The original error propagates; a failing clear is attached to it as context.
+        """
+        async with self._mutation(MutationKind.COMMIT):
+            state = self.ledger.state_of(group.group_id)
+            if state is not PromptState.IN_FLIGHT:
+                raise InvariantViolation(f"commit of group {group.group_id} whose ledger state is {state}")
+            try:
+                await self._rows.put_rows(group.sample_ids, rows)
+            except BaseException as put_error:
+                with anyio.CancelScope(shield=True):
+                    try:
+                        await self._rows.clear(group.sample_ids)
+                    except Exception as clear_error:
+                        put_error.add_note(f"clearing the rows it may have written failed too: {clear_error!r}")
+                        raise put_error from clear_error
+                raise
+            self.replay.add(group)
+            self.ledger.advance(group.group_id, PromptState.READY)
+            self.in_flight -= 1
+            self.committed_groups += 1
+
+    async def _remove(self, kind: MutationKind, groups: Sequence[GroupMeta], state: PromptState,
+                      reason: str = "") -> None:
+        for group in groups:
+            if group.group_id not in self.replay:
+                raise InvariantViolation(f"{kind} of group {group.group_id} that is not in the replay index")
+        await self._rows.clear([sid for g in groups for sid in g.sample_ids])
+        for group in groups:
+            self.replay.remove(group.group_id)
+            self.ledger.advance(group.group_id, state, reason)
+
+    async def finish_step(self, batch: Sequence[GroupMeta]) -> None:
+        """A train step's groups are consumed and the counters advance, together."""
+        async with self._mutation(MutationKind.CONSUME):
+            await self._remove(MutationKind.CONSUME, batch, PromptState.CONSUMED)
+            self.trainer_step += 1
+            self.weight_version += 1
+            self.ledger.prune_finished_epochs(self.order.state.epoch)
+
+    async def evict_stale(self) -> list[GroupMeta]:
+        """Drop every group the sampler calls stale at the current version; returns them."""
+        stale = [g for g in self.replay.groups() if self.sampler.is_stale(g, self.weight_version)]
+        if stale:
+            async with self._mutation(MutationKind.EVICT):
+                await self._remove(MutationKind.EVICT, stale, PromptState.DROPPED, DropReason.STALE)
+                for group in stale:
+                    self.sampler.on_evicted(group)
+                self.evicted_stale += len(stale)
+        return stale
+
+    # ---- checkpoints -----------------------------------------------------------------------------
+
+    def snapshot(self) -> Cut:
+        """The cut; only under the barrier's exclusive side, where no mutation can interleave."""
+        if not self.barrier.statistics().exclusive_active:
+            raise InvariantViolation("a cut was read without holding the checkpoint barrier exclusively")
+        dl = self.order.state
+        return Cut(
+            step=self.trainer_step, weight_version=self.weight_version,
+            dataloader=DataloaderState(seed=dl.seed, epoch=dl.epoch, cursor=dl.cursor),
+            groups=self.replay.groups(), ledger=self.ledger.to_document(), sampler_name=self.sampler.name,
+            sampler_state=self.sampler.state(), supports_replay_checkpoint=self.sampler.supports_replay_checkpoint,
+            replay_digest=self.replay.digest(), captured_at=time.time(),
+        )
+
+    def install(self, restored: Restored) -> None:
+        """Put a verified cut back; only before any mutation has run.
+
+        In shadow mode (a sampler that does not restore its dispatch state) the ready
+        groups were not loaded: their prompts go back in flight with fresh target steps.
+        """
+        if self.barrier.statistics().mutations:
+            raise InvariantViolation("restore after the controller state was already mutated")
+        self.trainer_step = restored.step
+        self.weight_version = restored.weight_version
+        self.order.restore(restored.dataloader.seed, restored.dataloader.epoch, restored.dataloader.cursor)
+        self.ledger = restored.ledger
+        for group in restored.groups:
+            self.replay.add(group)
+        if restored.shadow:
+            self.sampler.load_state({"dispatched": self.trainer_step * self.sampler.groups_per_step})
+            for group_id in self.ledger.in_state(PromptState.READY):
+                self.ledger.requeue_after_shadow_restore(group_id)
+            for group_id in self.ledger.in_state(PromptState.IN_FLIGHT):
+                self.ledger.entry(group_id).target_step = self.sampler.on_dispatch()
+        else:
+            self.sampler.load_state(restored.sampler_state)
+
