@@ -62,9 +62,9 @@ soak: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python -m bench.run
 
+# The one lint rule, the same here and in CI (`make test` runs it first): ruff check.
 lint: $(STAMP)
 	$(BIN)/ruff check scd tests bench
-	$(BIN)/ruff format --check scd tests bench
 
 clean:
 	rm -rf $(VENV) runs

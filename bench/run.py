@@ -12,7 +12,6 @@ import os
 import platform
 import statistics
 import time
-import tomllib
 from pathlib import Path
 from tempfile import TemporaryDirectory
 from typing import Any
@@ -25,7 +24,7 @@ from bench.gpu_check import summarize_steps
 from scd.checkpoint import layout
 from scd.checkpoint.restore import restore_state
 from scd.checkpoint.save import capture_cut
-from scd.config import Config, parse_config
+from scd.config import Config, derive_config
 from scd.daemon import Controller
 from scd.dataplane import DataPlane
 from scd.generation.base import GroupResult
@@ -45,13 +44,10 @@ GOALS = {
 
 
 def tiny(tmp: Path, partition: str = "bench", **overrides: dict[str, object]) -> Config:
-    data = tomllib.loads((REPO / "configs" / "tiny.toml").read_text())
-    data["run"]["output_dir"] = str(tmp)
-    data["telemetry"]["metrics_port"] = 0
-    data["data_plane"]["partition"] = partition
-    for section, values in overrides.items():
-        data.setdefault(section, {}).update(values)
-    return parse_config(data, REPO / "configs")
+    base: dict[str, dict[str, object]] = {"run": {"output_dir": str(tmp)}, "telemetry": {"metrics_port": 0},
+                                          "data_plane": {"partition": partition}}
+    return derive_config(REPO / "configs" / "tiny.toml",
+                         {k: {**base.get(k, {}), **overrides.get(k, {})} for k in base.keys() | overrides.keys()})
 
 
 def percentile(samples: list[float], q: float) -> float:
@@ -291,12 +287,9 @@ async def vllm_cpu(tmp: Path, steps: int = 60) -> dict[str, float]:
     """configs/vllm-cpu.toml in this process (vLLM's engine core is its own process): per-step medians."""
     from scd.training.init_tiny import init_tiny
 
-    data = tomllib.loads((REPO / "configs" / "vllm-cpu.toml").read_text())
-    data["run"]["output_dir"] = str(tmp / "vllm")
-    data["model"]["name"] = str(init_tiny(tmp / "tiny-llama"))
-    data["telemetry"]["metrics_port"] = 0
-    data["data_plane"]["partition"] = "bench-vllm"
-    config = parse_config(data, REPO / "configs")
+    config = derive_config(REPO / "configs" / "vllm-cpu.toml", {
+        "run": {"output_dir": str(tmp / "vllm")}, "model": {"name": str(init_tiny(tmp / "tiny-llama"))},
+        "telemetry": {"metrics_port": 0}, "data_plane": {"partition": "bench-vllm"}})
     async with Controller.open(config) as controller:
         await controller.run(max_steps=steps)
     # The first steps include the engine's warm-up.

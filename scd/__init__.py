@@ -2,17 +2,24 @@
 
 Layering, bottom to top (a module imports only from layers below it):
 
-1. ``config``, ``errors``, ``records``: typed configuration, error types with
-   exit codes, and plain records.  No I/O beyond reading the config file.
-2. Pure controller state: ``ledger`` (prompt lifecycle), ``replay`` (metadata
-   index of ready groups), ``samplers`` (which groups a train step may take),
-   ``dataloader`` (seeded prompt order with a cursor), ``barrier`` (the
-   shared/exclusive checkpoint lock).  No awaits on the outside world.
+1. ``config``, ``errors``, ``records``, ``tasks``: typed configuration, error
+   types with exit codes, plain records, and the tasks with their one scoring
+   function.  No I/O beyond reading the config and task files.
+2. Controller state, pure parts: ``ledger`` (prompt lifecycle), ``replay``
+   (metadata index of ready groups), ``samplers`` (which groups a train step
+   may take), ``dataloader`` (seeded prompt order with a cursor), ``barrier``
+   (the shared/exclusive checkpoint lock), ``schema`` (the bundle format and
+   the checkpoint vocabulary as typed structs).  Then ``state``: those parts
+   together and the only code that mutates them, each mutation under the
+   barrier; TQ rows are written through a protocol handed in.
 3. Adapters to the outside world: ``dataplane`` (TransferQueue on Ray, every
-   call bounded), ``generation`` (torch or vLLM), ``training`` (policy and
-   GRPO), ``telemetry`` (Prometheus, events), ``systemd`` (sd_notify).
-4. ``checkpoint``: the bundle layout, save, restore and offline verify.
-5. ``daemon``: the one task group in which every concurrent activity runs.
+   call bounded), ``training`` (the policy seam and GRPO), ``generation``
+   (torch or vLLM, serving that policy), ``telemetry`` (Prometheus, events),
+   ``systemd`` (sd_notify).
+4. ``checkpoint``: the bundle layout, save, restore and offline verify.  It
+   works on the state, the data plane and the trainer, never the controller.
+5. ``daemon``: wiring, the pumps, and the one task group in which every
+   concurrent activity runs.
 6. ``cli``: argument parsing and exit codes.
 """
 

@@ -36,10 +36,6 @@ class RayConfig(_Section):
 
 
 class DataPlaneConfig(_Section):
-    enabled: bool = True
-    impl: Literal["transfer_queue"] = "transfer_queue"
-    backend: Literal["simple"] = "simple"
-    checkpointing_enabled: bool = True
     storage_units: int = 1
     partition: str = "rollouts"
     call_timeout_s: float = 60.0
@@ -194,11 +190,29 @@ _MOVED_KEYS = {
 }
 
 
+# Settings that had one legal value: a config that sets that value still loads; any other is refused.
+_REMOVED_KEYS: dict[tuple[str, str], tuple[object, str]] = {
+    ("data_plane", "enabled"): (True, "scd always keeps rollouts in TransferQueue"),
+    ("data_plane", "impl"): ("transfer_queue", "TransferQueue is the only data plane"),
+    ("data_plane", "backend"): ("simple", "TransferQueue's SimpleStorage is the only backend"),
+    ("data_plane", "checkpointing_enabled"): (True, "checkpoints always hold TQ's native snapshot; "
+                                                    "checkpointing.enabled is the one switch"),
+}
+
+
 def parse_config(data: dict[str, object], base_dir: Path) -> Config:
     """Build a validated ``Config`` from parsed TOML; paths resolve against ``base_dir``."""
     for (section, key), new_key in _MOVED_KEYS.items():
         if isinstance(data.get(section), dict) and key in data[section]:  # type: ignore[operator]
             raise ConfigError(f"{section}.{key}", f"moved: set {new_key} instead")
+    for (section, key), (legal, why) in _REMOVED_KEYS.items():
+        table = data.get(section)
+        if isinstance(table, dict) and key in table:
+            if table[key] != legal:
+                raise ConfigError(f"{section}.{key}", f"removed ({why}); only {legal!r} was ever legal: delete it")
+            table = dict(table)
+            del table[key]
+            data = {**data, section: table}
     try:
         config = msgspec.convert(data, Config, strict=True)
     except msgspec.ValidationError as exc:
@@ -206,6 +220,14 @@ def parse_config(data: dict[str, object], base_dir: Path) -> Config:
     _resolve_paths(config, base_dir)
     validate(config)
     return config
+
+
+def derive_config(path: Path, overrides: dict[str, dict[str, object]]) -> Config:
+    """The config file at ``path`` with whole sections' keys overridden (tests, benchmarks)."""
+    data = tomllib.loads(path.read_text())
+    for section, values in overrides.items():
+        data.setdefault(section, {}).update(values)
+    return parse_config(data, path.resolve().parent)
 
 
 def load_config(path: str | Path) -> Config:
@@ -244,7 +266,6 @@ def validate(config: Config) -> None:
     run, dp, gen, tr = config.run, config.data_plane, config.generation, config.trainer
     task, sampler, ckpt, tel = config.task, config.async_rl.sampler, config.checkpointing, config.telemetry
     _require(run.max_steps >= 1, "run.max_steps", f"must be >= 1, got {run.max_steps}")
-    _require(dp.enabled, "data_plane.enabled", "scd keeps rollouts in TransferQueue; it cannot be disabled")
     _require(dp.storage_units >= 1, "data_plane.storage_units", f"must be >= 1, got {dp.storage_units}")
     _require(dp.call_timeout_s > 0, "data_plane.call_timeout_s", "must be > 0")
     _require(dp.startup_timeout_s > 0, "data_plane.startup_timeout_s", "must be > 0")
@@ -294,8 +315,5 @@ def validate(config: Config) -> None:
     _require(ckpt.keep_last >= 2, "checkpointing.keep_last", f"must be >= 2, got {ckpt.keep_last}")
     _require(ckpt.interval_s > 0, "checkpointing.interval_s", "must be > 0")
     _require(ckpt.max_consecutive_failures >= 1, "checkpointing.max_consecutive_failures", "must be >= 1")
-    if ckpt.enabled:
-        _require(dp.checkpointing_enabled, "data_plane.checkpointing_enabled",
-                 "checkpointing.enabled = true needs TransferQueue's native snapshot")
     _require(0 <= tel.metrics_port <= 65535, "telemetry.metrics_port", "must be a port number (0 = any)")
     _require(tel.telemetry_interval_s >= 0, "telemetry.telemetry_interval_s", "must be >= 0 (0 = off)")

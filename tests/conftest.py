@@ -141,15 +141,15 @@ def scd_processes() -> Iterator[list[ScdProcess]]:
 
 def tiny_config(tmp_path: Path, partition: str, **sections: dict[str, object]) -> Any:
     """configs/tiny.toml with this test's output dir and TQ partition, and section overrides."""
-    from scd.config import parse_config
+    from scd.config import derive_config
 
-    data = tomllib.loads((REPO / "configs" / "tiny.toml").read_text())
-    data["run"]["output_dir"] = str(tmp_path / "out")
-    data["data_plane"]["partition"] = partition
-    data["telemetry"]["metrics_port"] = 0
-    for section, values in sections.items():
-        data.setdefault(section, {}).update(values)
-    return parse_config(data, REPO / "configs")
+    base = {"run": {"output_dir": str(tmp_path / "out")}, "data_plane": {"partition": partition},
+            "telemetry": {"metrics_port": 0}}
+    return derive_config(REPO / "configs" / "tiny.toml", merge_sections(base, sections))
+
+
+def merge_sections(base: dict[str, dict[str, Any]], overrides: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    return {key: {**base.get(key, {}), **overrides.get(key, {})} for key in base.keys() | overrides.keys()}
 
 
 def toml_text(data: dict[str, Any], prefix: str = "") -> str:

