@@ -45,6 +45,13 @@ class BarrierStatistics:
     exclusive_holds: int = 0
 
 
+@dataclass(slots=True)
+class ExclusiveHold:
+    """One exclusive hold; on release, how long the first mutation it blocked had waited (0 if none)."""
+
+    mutations_blocked_s: float = 0.0
+
+
 class CheckpointBarrier:
     def __init__(self, on_blocked: Callable[[MutationKind, float], None] | None = None) -> None:
         self._holders: dict[int, int] = {}  # task id -> shared depth
@@ -56,6 +63,7 @@ class CheckpointBarrier:
         self._blocked: Counter[str] = Counter()
         self._wait_seconds: Counter[str] = Counter()
         self._exclusive_holds = 0
+        self._blocked_since: float | None = None  # when the first mutation blocked by this checkpoint began to wait
         self._on_blocked = on_blocked
 
     def _notify(self) -> None:
@@ -96,6 +104,8 @@ class CheckpointBarrier:
         started = time.monotonic()
         blocked = False
         while self._exclusive or self._exclusive_waiting:
+            if not blocked and self._blocked_since is None:
+                self._blocked_since = started
             blocked = True
             await self._sleep_until_changed()
         if blocked:
@@ -112,7 +122,7 @@ class CheckpointBarrier:
             self._notify()
 
     @asynccontextmanager
-    async def exclusive(self) -> AsyncIterator[None]:
+    async def exclusive(self) -> AsyncIterator[ExclusiveHold]:
         """Hold the exclusive side: new mutations wait, active ones finish first."""
         self._exclusive_waiting += 1
         try:
@@ -124,8 +134,12 @@ class CheckpointBarrier:
             self._notify()
         self._exclusive = True
         self._exclusive_holds += 1
+        hold = ExclusiveHold()
         try:
-            yield
+            yield hold
         finally:
             self._exclusive = False
+            if self._blocked_since is not None:
+                hold.mutations_blocked_s = time.monotonic() - self._blocked_since
+                self._blocked_since = None
             self._notify()

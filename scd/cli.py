@@ -17,6 +17,7 @@ from anyio.abc import TaskStatus
 from scd.config import Config, load_config
 from scd.daemon import Controller, Triggers
 from scd.errors import EXIT_CONFIG, EXIT_INVARIANT, EXIT_OK, EXIT_OTHER, ScdError
+from scd.samplers import build_sampler
 
 log = logging.getLogger("scd")
 
@@ -39,11 +40,13 @@ async def run_daemon(config: Config, args: argparse.Namespace) -> None:
     async with anyio.create_task_group() as tg:
         # Signals are handled from the first moment: a SIGTERM during a long restore still drains.
         await tg.start(handle_signals, triggers, name="signals")
-        async with Controller.open(config) as controller:
+        async with Controller.open(config) as controller, anyio.create_task_group() as http:
+            controller.metrics_port = await http.start(controller.serve_http, name="http")
             await controller.events.emit("start", controller.state.trainer_step, pid=os.getpid())
             await controller.restore(args.restore_from, args.allow_config_change)
             if not triggers.shutdown.is_set():
                 await controller.run(triggers, args.max_steps)
+            http.cancel_scope.cancel()
         tg.cancel_scope.cancel()
 
 
@@ -152,6 +155,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(write_report(args.events, args.out))
             return EXIT_OK
         config = load_config(args.config)
+        # A custom sampler is checked here, before Ray or any engine starts.
+        build_sampler(config)
         if args.max_steps is not None and args.max_steps < 1:
             print("scd: error: --max-steps must be >= 1", file=sys.stderr)
             return EXIT_CONFIG

@@ -57,6 +57,9 @@ from scd.training.policy import Policy, build_policy
 log = logging.getLogger(__name__)
 
 DRAIN_DEADLINE_S = 30.0
+# /healthz calls the loop behind when a probe woke this much late within the last LOOP_STALL_WINDOW_S.
+LOOP_BEHIND_S = 1.0
+LOOP_STALL_WINDOW_S = 30.0
 
 
 @dataclass(slots=True)
@@ -98,9 +101,10 @@ class Controller:
                              if config.checkpointing.enabled else None)
         self.committed_tokens = 0  # completion tokens of committed groups
         self.metrics_port: int | None = None
+        self.ready = False
+        self._last_stall = (0.0, 0.0)  # (monotonic time, seconds late) of the worst recent probe
         self._shutdown = anyio.Event()
         self._changed = anyio.Event()
-        self._generated_tokens_seen = 0
         self._checkpoint_due: Trigger | None = None
         self._last_step_mark = (time.monotonic(), 0, 0, 0)
         for phase in RestorePhase:
@@ -162,6 +166,24 @@ class Controller:
 
     # ---- observation -------------------------------------------------------------------------
 
+    async def serve_http(self, *, task_status: anyio.abc.TaskStatus[int] = anyio.TASK_STATUS_IGNORED) -> None:
+        """/metrics, /healthz and /readyz; start it before the restore so both are visible during it."""
+        telemetry = self.config.telemetry
+        await serve_http(telemetry.metrics_host, telemetry.metrics_port, self.health_problem, lambda: self.ready,
+                         task_status=task_status)
+
+    def health_problem(self) -> str:
+        """Why the process is unhealthy, or "" when it is not."""
+        stalled_at, stalled_s = self._last_stall
+        if stalled_s >= LOOP_BEHIND_S and time.monotonic() - stalled_at < LOOP_STALL_WINDOW_S:
+            return f"event loop fell {stalled_s:.1f}s behind {time.monotonic() - stalled_at:.0f}s ago"
+        if self.dataplane.last_call_timed_out:
+            return (f"TransferQueue did not answer its last call within "
+                    f"data_plane.call_timeout_s = {self.config.data_plane.call_timeout_s}s")
+        if self.checkpointer is not None and self.checkpointer.consecutive_failures:
+            return f"checkpointing failed {self.checkpointer.consecutive_failures} time(s) in a row"
+        return ""
+
     def _notify(self) -> None:
         """Wake every task waiting for capacity or ready groups."""
         self._changed.set()
@@ -175,9 +197,6 @@ class Controller:
         metrics.replay_rows.set(state.replay.rows)
         for ledger_state, n in state.ledger.counts().items():
             metrics.ledger_prompts.labels(ledger_state).set(n)
-        tokens = self.backend.generated_tokens()
-        metrics.generation_tokens.inc(tokens - self._generated_tokens_seen)
-        self._generated_tokens_seen = tokens
 
     # ---- requests and results ----------------------------------------------------------------
 
@@ -409,8 +428,6 @@ class Controller:
             self.config.generation.max_inflight_prompts)
         to_commit, commit_in = anyio.create_memory_object_stream[GroupResult](math.inf)
         async with anyio.create_task_group() as tg:
-            self.metrics_port = await tg.start(
-                serve_http, telemetry.metrics_host, telemetry.metrics_port, lambda: True, name="http")
             tg.start_soon(self.rollout_pump, to_generation, name="rollout_pump")
             tg.start_soon(self.generation_pump, generation_in, to_commit, name="generation_pump")
             tg.start_soon(self.committer, commit_in, name="committer")
@@ -424,9 +441,11 @@ class Controller:
             train_scope = anyio.CancelScope()
             tg.start_soon(self.drain, train_scope, drain_deadline_s, name="drain")
             systemd.notify("READY=1")
+            self.ready = True
             self._publish_gauges()
             with train_scope:
                 await self.train_pump(max_steps)
+            self.ready = False
             systemd.notify("STOPPING=1")
             await self.last_checkpoint(Trigger.SHUTDOWN if self._shutdown.is_set() else Trigger.FINAL)
             tg.cancel_scope.cancel()
@@ -434,6 +453,7 @@ class Controller:
     async def drain(self, train_scope: anyio.CancelScope, deadline_s: float) -> None:
         """On shutdown: wake every waiting pump, and give the train pump ``deadline_s`` to reach a boundary."""
         await self._shutdown.wait()
+        self.ready = False
         log.info("shutdown requested: draining (deadline %.0fs)", deadline_s)
         systemd.notify("STOPPING=1")
         train_scope.deadline = anyio.current_time() + deadline_s
@@ -456,4 +476,8 @@ class Controller:
         while True:
             before = time.monotonic()
             await anyio.sleep(period_s)
-            metrics.loop_stall.observe(max(0.0, time.monotonic() - before - period_s))
+            now = time.monotonic()
+            late = max(0.0, now - before - period_s)
+            metrics.loop_stall.observe(late)
+            if late >= self._last_stall[1] or now - self._last_stall[0] >= LOOP_STALL_WINDOW_S:
+                self._last_stall = (now, late)

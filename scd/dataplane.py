@@ -43,6 +43,8 @@ class DataPlane:
         self.config = config
         self.partition = config.partition
         self.data_ops = 0  # restore refuses to load into a data plane that has served any
+        # What /healthz reports: did TQ fail to answer the last call within call_timeout_s?
+        self.last_call_timed_out = False
 
     @classmethod
     @asynccontextmanager
@@ -81,10 +83,21 @@ class DataPlane:
         self.data_ops += 1
         try:
             with anyio.fail_after(self.config.call_timeout_s):
-                return await fn()
+                result = await fn()
         except TimeoutError:
+            self.last_call_timed_out = True
             raise DataPlaneError(f"TransferQueue {what} timed out after {self.config.call_timeout_s}s; "
                                  "is TQ (Ray) alive?") from None
+        self.last_call_timed_out = False
+        return result
+
+    async def _blocking(self, what: str, fn: Callable[[], Any]) -> None:
+        try:
+            await _bounded_thread(self.config.call_timeout_s, what, fn)
+        except DataPlaneError:
+            self.last_call_timed_out = True
+            raise
+        self.last_call_timed_out = False
 
     async def put_rows(self, sample_ids: Sequence[str], rows: Sequence[Rollout]) -> None:
         import transfer_queue as tq
@@ -127,14 +140,12 @@ class DataPlane:
     async def save_snapshot(self, directory: Path) -> None:
         import transfer_queue as tq
 
-        await _bounded_thread(self.config.call_timeout_s, "save_checkpoint",
-                              lambda: tq.save_checkpoint(directory))
+        await self._blocking("save_checkpoint", lambda: tq.save_checkpoint(directory))
 
     async def load_snapshot(self, directory: Path) -> None:
         import transfer_queue as tq
 
-        await _bounded_thread(self.config.call_timeout_s, "load_checkpoint",
-                              lambda: tq.load_checkpoint(directory))
+        await self._blocking("load_checkpoint", lambda: tq.load_checkpoint(directory))
 
 
 def pack_rows(rows: Sequence[Rollout]) -> Any:

@@ -21,8 +21,6 @@ from scd.replay import GroupMeta
 class Sampler:
     name: ClassVar[str]
     supports_replay_checkpoint: ClassVar[bool]
-    # Gated samplers keep dispatch quotas that a restored replay index cannot reproduce.
-    gated: ClassVar[bool]
 
     def __init__(self, max_staleness_versions: int, groups_per_step: int) -> None:
         self.max_staleness_versions = max_staleness_versions
@@ -59,7 +57,6 @@ class WindowedSampler(Sampler):
 
     name = "windowed"
     supports_replay_checkpoint = True
-    gated = False
 
     def select(self, ready: Sequence[GroupMeta], trainer_version: int, trainer_step: int) -> list[GroupMeta]:
         fresh = [g for g in ready if not self.is_stale(g, trainer_version)]
@@ -74,7 +71,6 @@ class WeightFifoSampler(Sampler):
 
     name = "weight_fifo"
     supports_replay_checkpoint = False
-    gated = True
 
     def may_dispatch(self, trainer_step: int) -> bool:
         return self.dispatched < self.groups_per_step * (trainer_step + 1 + self.max_staleness_versions)
@@ -99,7 +95,6 @@ class InOrderSampler(Sampler):
 
     name = "in_order"
     supports_replay_checkpoint = False
-    gated = True
 
     def __init__(self, max_staleness_versions: int, groups_per_step: int) -> None:
         super().__init__(max_staleness_versions, groups_per_step)
@@ -138,13 +133,22 @@ BUILTIN_SAMPLERS: dict[str, type[Sampler]] = {
 }
 
 
-def _declared_capability_matches(sampler: Sampler) -> bool:
-    """A sampler claiming replay recovery must be ungated: its whole state is the replay index."""
-    return not (sampler.supports_replay_checkpoint and sampler.gated)
+# The methods through which a sampler keeps dispatch state of its own (quotas, targets).
+_DISPATCH_METHODS = ("may_dispatch", "on_dispatch", "on_evicted")
+
+
+def gates_dispatch(cls: type[Sampler]) -> bool:
+    """Whether ``cls`` keeps dispatch state, judged by what it overrides, not by what it declares."""
+    return any(getattr(cls, m) is not getattr(Sampler, m) for m in _DISPATCH_METHODS)
 
 
 def build_sampler(config: Config) -> Sampler:
-    """The configured sampler, its declared capability checked against what it does."""
+    """The configured sampler, its declared capability checked against its behaviour.
+
+    Called before Ray starts, so a bad custom sampler exits 2 naming the key, not a traceback.
+    A sampler that gates dispatch keeps state the replay index does not hold, so it may not
+    claim replay recovery.
+    """
     spec = config.async_rl.sampler.name
     key = "async_rl.sampler.name"
     if ":" in spec:
@@ -155,12 +159,19 @@ def build_sampler(config: Config) -> Sampler:
             raise ConfigError(key, f"cannot load custom sampler {spec}: {exc}") from None
     else:
         cls = BUILTIN_SAMPLERS[spec]
-    sampler = cls(config.async_rl.sampler.max_staleness_versions, config.trainer.groups_per_step)
-    if not isinstance(sampler, Sampler):
+    if not (isinstance(cls, type) and issubclass(cls, Sampler)):
         raise ConfigError(key, f"{spec} is not a subclass of scd.samplers.Sampler")
-    if not isinstance(getattr(sampler, "supports_replay_checkpoint", None), bool):
+    if not isinstance(getattr(cls, "supports_replay_checkpoint", None), bool):
         raise ConfigError(key, f"{spec} must declare supports_replay_checkpoint as a bool")
-    if not _declared_capability_matches(sampler):
-        raise ConfigError(key, f"{spec} declares supports_replay_checkpoint but gates dispatch; "
+    if not isinstance(getattr(cls, "name", None), str):
+        raise ConfigError(key, f"{spec} must declare its name as a str")
+    if cls.select is Sampler.select:
+        raise ConfigError(key, f"{spec} does not implement select()")
+    if cls.supports_replay_checkpoint and gates_dispatch(cls):
+        raise ConfigError(key, f"{spec} declares supports_replay_checkpoint but gates dispatch (it overrides "
+                               f"{[m for m in _DISPATCH_METHODS if getattr(cls, m) is not getattr(Sampler, m)]}); "
                                "its dispatch state would not survive a restore")
-    return sampler
+    try:
+        return cls(config.async_rl.sampler.max_staleness_versions, config.trainer.groups_per_step)
+    except Exception as exc:
+        raise ConfigError(key, f"{spec} could not be constructed: {exc!r}") from None

@@ -24,6 +24,7 @@ class CheckpointPhase(enum.StrEnum):
     TOTAL = "total"
     BARRIER_WAIT = "barrier_wait"
     EXCLUSIVE_HOLD = "exclusive_hold"  # the whole hold: nothing subtracted
+    MUTATIONS_BLOCKED = "mutations_blocked"  # how long the first mutation this checkpoint blocked waited
     TQ_SAVE = "tq_save"
     TQ_LIST = "tq_list"
     POLICY_WRITE = "policy_write"  # weights and optimizer state to files

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import socket
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -140,3 +142,46 @@ def test_a_failed_last_checkpoint_exits_one_and_keeps_the_good_bundle(tmp_path: 
     assert "final checkpoint at step 4 failed (disk_full" in out
     assert f"newest good bundle is {good}" in out
     assert tree_digest(root) == before
+
+
+def fetch(port: int, path: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=10) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as error:
+        return error.code, error.read().decode()
+
+
+def wait_for_health(port: int, status: int, needle: str, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = fetch(port, "/healthz")
+        if got[0] == status and needle in got[1]:
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"/healthz never answered {status} {needle!r}; last: {got}")
+
+
+def test_healthz_names_a_checkpoint_failure_streak_and_a_stalled_loop(tmp_path: Path,
+                                                                      scd_processes: list[ScdProcess]) -> None:
+    port = free_port()
+    config = write_config(tmp_path, max_steps=100_000, port=port,
+                          extra="\n[checkpointing]\nenabled = true\ninterval_s = 3600\n")
+    scd = ScdProcess(config, env={"SCD_FAULT": "mid_sidecar_write:1=enospc"})
+    scd_processes.append(scd)
+    scd.wait_for_line("step 3 ")
+    assert fetch(port, "/readyz") == (200, "ready\n")
+    assert fetch(port, "/healthz") == (200, "ok\n")
+
+    scd.signal(signal.SIGUSR1)  # the first checkpoint hits the injected ENOSPC
+    scd.wait_for_line("failed (disk_full")
+    wait_for_health(port, 503, "unhealthy: checkpointing failed 1 time(s) in a row")
+    scd.signal(signal.SIGUSR1)  # the next one succeeds and ends the streak
+    wait_for_health(port, 200, "ok")
+
+    os.kill(scd.proc.pid, signal.SIGSTOP)  # the event loop cannot run for 2 s
+    time.sleep(2)
+    os.kill(scd.proc.pid, signal.SIGCONT)
+    wait_for_health(port, 503, "event loop fell")
+    scd.signal(signal.SIGTERM)
+    assert scd.wait(timeout=120) == 0, scd.output()[-3000:]

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import time
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -9,7 +12,8 @@ from hypothesis import strategies as st
 from scd.config import parse_config
 from scd.errors import ConfigError
 from scd.replay import GroupMeta
-from scd.samplers import BUILTIN_SAMPLERS, InOrderSampler, WindowedSampler, build_sampler
+from scd.samplers import BUILTIN_SAMPLERS, InOrderSampler, Sampler, WindowedSampler, build_sampler
+from tests.conftest import REPO, SCD
 
 
 def group(i: int, version: int, target: int | None = None) -> GroupMeta:
@@ -71,12 +75,34 @@ class CustomWindowed(WindowedSampler):
     name = "custom_windowed"
 
 
+class WindowedThatGates(WindowedSampler):
+    """Inherits the flag from WindowedSampler but gates dispatch: its behaviour, not its flag, decides."""
+
+    name = "windowed_that_gates"
+
+    def may_dispatch(self, trainer_step: int) -> bool:
+        return self.dispatched < 4 * (trainer_step + 1)
+
+
+class NoCapability(Sampler):
+    name = "no_capability"
+
+    def select(self, ready, trainer_version, trainer_step):
+        return []
+
+
+NOT_CALLABLE = 42
+
+
 @pytest.mark.parametrize(("spec", "message"), [
     ("tests.test_samplers:GatedButClaimsRecovery", "gates dispatch"),
+    ("tests.test_samplers:WindowedThatGates", r"gates dispatch \(it overrides \['may_dispatch'\]"),
     ("tests.test_samplers:NotASampler", "not a subclass"),
+    ("tests.test_samplers:NOT_CALLABLE", "not a subclass"),
+    ("tests.test_samplers:NoCapability", "must declare supports_replay_checkpoint"),
     ("tests.test_samplers:Missing", "cannot load custom sampler"),
 ])
-def test_custom_sampler_capability_is_checked_after_construction(tmp_path, spec, message):
+def test_custom_sampler_capability_is_checked_by_behaviour(tmp_path, spec, message):
     config = parse_config({"async_rl": {"sampler": {"name": spec}}}, tmp_path)
     with pytest.raises(ConfigError, match=message) as info:
         build_sampler(config)
@@ -118,3 +144,15 @@ def test_a_gated_sampler_never_stalls_when_its_groups_go_stale(name):
             pytest.fail(f"{name} stalled at step {step}")
         for g in chosen:
             ready.remove(g)
+
+
+def test_a_bad_custom_sampler_exits_2_before_ray_starts(tmp_path):
+    config = tmp_path / "scd.toml"
+    config.write_text('[async_rl.sampler]\nname = "tests.test_samplers:WindowedThatGates"\n')
+    started = time.monotonic()
+    out = subprocess.run([*SCD, "run", str(config)], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2, out.stderr
+    assert "config key 'async_rl.sampler.name'" in out.stderr and "gates dispatch" in out.stderr
+    assert "Traceback" not in out.stderr
+    # Ray never started: no Ray banner and it took far less than a Ray start-up.
+    assert "ray" not in out.stderr.lower() and time.monotonic() - started < 30

@@ -94,6 +94,8 @@ class Checkpointer:
         if outcome is not Outcome.SCHEDULED:
             metrics.checkpoint_attempts.labels(outcome.value, reason).inc()
         since = time.time() - self._last_success_wall if self._last_success_wall is not None else None
+        if since is not None:
+            metrics.checkpoint_seconds_since_success.set(since)
         await self.events.emit("checkpoint", step, outcome=outcome.value, reason=reason,
                                since_last_success_s=since, **fields)
 

@@ -89,7 +89,7 @@ async def capture_cut(state: ControllerState, dataplane: DataPlane, tmp: Path, p
     """
     faults.hit("before_barrier")
     wait_started = time.monotonic()
-    async with state.barrier.exclusive():
+    async with state.barrier.exclusive() as hold:
         held_from = time.monotonic()
         faults.hit("in_exclusive_hold")
         phases[CheckpointPhase.BARRIER_WAIT] = held_from - wait_started
@@ -103,6 +103,7 @@ async def capture_cut(state: ControllerState, dataplane: DataPlane, tmp: Path, p
         phases[CheckpointPhase.TQ_LIST] = time.monotonic() - list_started
         require_exact_inventory(state.replay.sample_ids(), listed, "checkpoint")
     phases[CheckpointPhase.EXCLUSIVE_HOLD] = time.monotonic() - held_from
+    phases[CheckpointPhase.MUTATIONS_BLOCKED] = hold.mutations_blocked_s
     return cut
 
 

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from scd.config import Config
 from scd.generation.base import GroupRequest, GroupResult
 from scd.records import Completion, FinishReason
+from scd.telemetry import metrics
 from scd.training.policy import Policy
 
 
@@ -73,6 +74,8 @@ class TorchBackend:
                     ))
                     row += 1
                 results[req.group_id] = GroupResult(req, completions, end_weight_version=version)
+            # Counted as produced, per batch: the counter moves during long steps and checkpoints.
+            metrics.generation_tokens.inc(new_tokens * prompts.shape[0])
             with self._tokens_lock:
                 self._tokens += new_tokens * prompts.shape[0]
         return [results[req.group_id] for req in requests]

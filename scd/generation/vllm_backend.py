@@ -37,6 +37,7 @@ from scd.config import Config
 from scd.errors import ConfigError
 from scd.generation.base import GroupRequest, GroupResult
 from scd.records import Completion, FinishReason
+from scd.telemetry import metrics
 from scd.training.policy import Policy
 
 log = logging.getLogger(__name__)
@@ -116,7 +117,11 @@ class VLLMBackend:
             )
             for c in final.outputs
         ]
-        self._tokens += sum(len(c.token_ids) for c in completions)
+        # Counted as each group returns, aborted partial output included (it was generated);
+        # vLLM's own vllm:generation_tokens_total counts per engine step on the same /metrics.
+        generated = sum(len(c.token_ids) for c in completions)
+        metrics.generation_tokens.inc(generated)
+        self._tokens += generated
         if not reason and any(c.finish_reason is FinishReason.ABORT for c in completions):
             reason = "aborted by vLLM"
         return GroupResult(req, completions, end_weight_version=self._version, aborted=reason)

@@ -1,4 +1,8 @@
-"""A minimal HTTP/1.1 server for /metrics and /healthz, served inside the event loop."""
+"""A minimal HTTP/1.1 server for /metrics, /healthz and /readyz, served inside the event loop.
+
+``/healthz`` answers 200 ``ok`` or 503 with the reason the process is unhealthy;
+``/readyz`` answers 200 once the controller serves (restore done, pumps running).
+"""
 
 from __future__ import annotations
 
@@ -19,7 +23,7 @@ def _response(status: str, content_type: str, body: bytes) -> bytes:
 
 
 async def serve_http(
-    host: str, port: int, healthy: Callable[[], bool], *,
+    host: str, port: int, health_problem: Callable[[], str], ready: Callable[[], bool], *,
     task_status: TaskStatus[int] = anyio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve until cancelled; reports the bound port through ``task_status``."""
@@ -41,9 +45,13 @@ async def serve_http(
                     body = await anyio.to_thread.run_sync(generate_latest, REGISTRY)
                     await stream.send(_response("200 OK", CONTENT_TYPE_LATEST, body))
                 elif path == "/healthz":
-                    ok = healthy()
-                    await stream.send(_response("200 OK" if ok else "503 Service Unavailable",
-                                                "text/plain", b"ok\n" if ok else b"unhealthy\n"))
+                    problem = health_problem()
+                    await stream.send(_response("503 Service Unavailable", "text/plain",
+                                                f"unhealthy: {problem}\n".encode()) if problem
+                                      else _response("200 OK", "text/plain", b"ok\n"))
+                elif path == "/readyz":
+                    await stream.send(_response("200 OK", "text/plain", b"ready\n") if ready()
+                                      else _response("503 Service Unavailable", "text/plain", b"not ready\n"))
                 else:
                     await stream.send(_response("404 Not Found", "text/plain", b"not found\n"))
             except (anyio.EndOfStream, anyio.BrokenResourceError, TimeoutError, OSError):

@@ -60,6 +60,9 @@ checkpoint_mutation_wait = Histogram(
 last_checkpoint_timestamp = Gauge(
     "scd_last_checkpoint_timestamp_seconds", "Wall-clock time of the last completed checkpoint"
 )
+checkpoint_seconds_since_success = Gauge(
+    "scd_checkpoint_seconds_since_last_success", "At the last checkpoint attempt: seconds since the last completed one"
+)
 checkpoint_sidecar_bytes = Gauge("scd_checkpoint_sidecar_bytes", "Bytes of the last replay metadata sidecar")
 checkpoint_data_plane_bytes = Gauge("scd_checkpoint_data_plane_bytes", "Bytes of the last TQ native snapshot")
 checkpoint_interval = Gauge("scd_checkpoint_interval_seconds", "Configured checkpoint interval")
