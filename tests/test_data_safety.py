@@ -13,7 +13,6 @@ import shutil
 import threading
 import traceback
 import uuid
-from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -163,8 +162,8 @@ async def golden(tq_session: None, tmp_path_factory: pytest.TempPathFactory) -> 
             if "signal_step" in plan and step >= plan["signal_step"] + 2:
                 triggers.shutdown.set()
 
-        checkpointer.attempt = attempt  # type: ignore[method-assign]
-        controller.events.emit = emit  # type: ignore[method-assign]
+        checkpointer.attempt = attempt
+        controller.events.emit = emit
         for _ in range(2):
             plan.clear()
             plan.update(triggers=Triggers(), start=controller.state.trainer_step, requested=False)
@@ -619,7 +618,7 @@ async def test_restored_groups_count_against_buffer_capacity(golden: dict[str, A
     assert ready > 0
     headroom = 3
     capacity = ready + in_flight + headroom
-    config = config_for(root, GOLDEN, generation={"max_inflight_prompts": capacity},
+    config = config_for(root, GOLDEN, generation={"max_inflight_prompts": 64},
                         async_rl={"buffer_capacity_groups": max(capacity, 4),
                                   "sampler": {"name": "windowed", "max_staleness_versions": 100}})
     capacity = config.async_rl.buffer_capacity_groups
@@ -773,7 +772,3 @@ async def test_mutations_blocked_by_a_real_checkpoint_are_counted(
         assert groups == {first.request.group_id}
         assert state.ledger.state_of(second.request.group_id) is PromptState.READY
     await clear_partition(partition)
-
-
-def test_module_partitions_are_distinct() -> None:
-    assert len(Counter([GOLDEN, "sentinel-x"])) == 2
