@@ -146,7 +146,7 @@ class Controller:
         if report is None:
             return
         if self.checkpointer is not None:
-            self.checkpointer.last_completed_step = report.step
+            self.checkpointer.restored_from(report.step, report.bundle_time)
         evicted = len(await self.state.evict_stale())
         await self.backend.update_weights(self.trainer.weights(), self.state.weight_version)
         for phase, seconds in report.phases.items():

@@ -563,9 +563,12 @@ async def test_tq_load_replaces_all_tq_state(golden: dict[str, Any], tmp_path: P
     bundle_ids = {sid for g in verify_bundle(bundle).sidecar.groups for sid in g.sample_ids}
     await clear_partition(GOLDEN)
     sentinel = await put_sentinel()
-    async with Controller.open(config_for(root, GOLDEN)) as controller:
-        await controller.restore()
+    # A window wide enough that no restored group is evicted as stale (an eviction clears its rows).
+    config = config_for(root, GOLDEN, async_rl={"sampler": {"name": "windowed", "max_staleness_versions": 100}})
+    async with Controller.open(config) as controller:
+        await controller.restore(allow_config_change=True)
         assert controller.state.trainer_step == layout.step_of(bundle)
+        assert len(controller.state.replay) == len(verify_bundle(bundle).sidecar.groups) > 0
         assert await controller.dataplane.list_ids() == bundle_ids
     assert await sentinel.list_ids() == set()  # put before the load, gone after it
     await clear_partition(GOLDEN)

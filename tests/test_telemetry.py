@@ -6,11 +6,15 @@ import subprocess
 import time
 from pathlib import Path
 
+import anyio
 import orjson
+import pytest
+from prometheus_client import REGISTRY
 from prometheus_client.parser import text_string_to_metric_families
 
 from scd.checkpoint import layout
-from tests.conftest import REPO, SCD, ScdProcess, free_port, write_config
+from scd.daemon import Controller, Triggers
+from tests.conftest import REPO, SCD, ScdProcess, free_port, tiny_config, write_config
 from tests.test_process import scrape
 
 TELEMETRY = """
@@ -98,6 +102,11 @@ def test_families_after_checkpoint_failure_and_restore(tmp_path: Path, scd_proce
     assert all({"epoch", "reward_mean", "prompt_ids", "time", "step"} <= set(e) for e in train)
     failed = [e for e in events if e["event"] == "checkpoint" and e["outcome"] == "failed"]
     assert [e["reason"] for e in failed] == ["disk_full"]
+    # Every attempt records the time since the last success; after the restart, that is the bundle's time.
+    attempts = [e for e in events if e["event"] == "checkpoint"]
+    assert all("since_last_success_s" in e for e in attempts)
+    after_restart = [e for e in attempts if e["time"] > events[starts[1]]["time"]]
+    assert after_restart and all(e["since_last_success_s"] >= 0 for e in after_restart)
 
     report = subprocess.run([*SCD, "report", str(events_path), "-o", str(tmp_path / "report")], cwd=REPO,
                             capture_output=True, text=True, timeout=120)
@@ -105,3 +114,36 @@ def test_families_after_checkpoint_failure_and_restore(tmp_path: Path, scd_proce
     for name in ("reward.png", "throughput.png", "checkpoint_phases.png", "restore_times.png"):
         assert (tmp_path / "report" / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "restores" in report.stdout.lower()
+
+
+async def test_generated_tokens_move_while_a_checkpoint_holds_the_barrier(tmp_path: Path, partition: str,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    config = tiny_config(tmp_path, partition, checkpointing={"enabled": True, "interval_s": 3600})
+    seen: dict[str, float] = {}
+    triggers = Triggers()
+    async with Controller.open(config) as controller:
+        real_save = controller.dataplane.save_snapshot
+
+        async def slow_save(directory: Path) -> None:
+            # TQ made slow, not faked: the real save runs after a second inside the exclusive hold.
+            seen["before"] = REGISTRY.get_sample_value("scd_generation_tokens_total") or 0.0
+            await anyio.sleep(1.0)
+            seen["after"] = REGISTRY.get_sample_value("scd_generation_tokens_total") or 0.0
+            await real_save(directory)
+
+        monkeypatch.setattr(controller.dataplane, "save_snapshot", slow_save)
+
+        async def operator() -> None:
+            while controller.state.trainer_step < 2:
+                await anyio.sleep(0.01)
+            triggers.request_checkpoint()
+            while "after" not in seen:
+                await anyio.sleep(0.01)
+            triggers.shutdown.set()
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(operator)
+            await controller.run(triggers, max_steps=10_000)
+        await controller.dataplane.clear_all()
+    # Batches admitted before the cut kept generating, and the counter said so while the hold lasted.
+    assert seen["after"] > seen["before"]

@@ -85,6 +85,11 @@ class Checkpointer:
             last_completed_step=self.last_completed_step, writing=not self._idle.is_set(),
         )
 
+    def restored_from(self, step: int, bundle_time: float) -> None:
+        """The run continues from a bundle: it is the last success, in step and in time."""
+        self.last_completed_step = step
+        self._last_success_wall = bundle_time
+
     def newest_good_bundle(self) -> str:
         bundles = layout.finalized_bundles(self.root)
         return str(bundles[-1]) if bundles else f"none in {self.root}"

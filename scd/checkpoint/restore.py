@@ -38,6 +38,7 @@ log = logging.getLogger(__name__)
 class RestoreReport:
     bundle: Path
     step: int
+    bundle_time: float  # wall-clock time of the bundle's cut
     groups_restored: int
     prompts_redispatched: int
     shadow: bool
@@ -156,7 +157,7 @@ async def restore_state(config: Config, state: ControllerState, dataplane: DataP
     redispatched = len(state.ledger.in_state(PromptState.IN_FLIGHT))
     lap(RestorePhase.LEDGER)
     phases[RestorePhase.TOTAL] = time.monotonic() - started
-    return RestoreReport(bundle, info.step, len(state.replay), redispatched, shadow, phases)
+    return RestoreReport(bundle, info.step, info.time, len(state.replay), redispatched, shadow, phases)
 
 
 async def load_into_clean_data_plane(dataplane: DataPlane, bundle: Path) -> None:
