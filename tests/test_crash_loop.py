@@ -65,10 +65,10 @@ def test_crash_loop_loses_nothing(tmp_path: Path, scd_processes: list[ScdProcess
     for bundle in bundles:
         verify_bundle(bundle)
     last = verify_bundle(bundles[-1])
-    assert last.info["step"] == k + 3
+    assert last.info.step == k + 3
     counts = last.ledger.counts()
     dataloader = last.dataloader
-    admitted = dataloader["epoch"] * PROMPTS + dataloader["cursor"]
+    admitted = dataloader.epoch * PROMPTS + dataloader.cursor
     assert sum(counts.values()) == admitted, "an admitted prompt is missing from the ledger"
     assert counts["consumed"] == len(consumed)
     assert all(e.reason for e in last.ledger.entries().values() if e.state.value == "dropped")

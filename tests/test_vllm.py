@@ -49,7 +49,7 @@ TEMPERATURE = 0.7  # not 1, so a temperature-convention mismatch would show
 def vllm_config(model_dir: Path, out: Path, partition: str = "vllm", **sections: dict[str, object]) -> Config:
     base = {"model": {"name": str(model_dir)}, "run": {"output_dir": str(out)},
             "data_plane": {"partition": partition}, "telemetry": {"metrics_port": 0},
-            "generation": {"temperature": TEMPERATURE}, "trainer": {"groups_per_step": 8}}
+            "generation": {"temperature": TEMPERATURE, "group_size": 8}, "trainer": {"groups_per_step": 8}}
     return derive_config(REPO / "configs" / "vllm-cpu.toml", merge_sections(base, sections))
 
 
@@ -215,7 +215,8 @@ def test_scd_run_on_vllm_reaches_max_steps_with_both_metric_families(tiny_llama:
                                                                      scd_processes: list[ScdProcess]) -> None:
     # Staleness 0: every trained token was sampled by the weights being trained, so each step
     # measures the trainer/generation logprob agreement.
-    config = vllm_cpu_config(tmp_path, tiny_llama, async_rl={"sampler.max_staleness_versions": 0})
+    config = vllm_cpu_config(tmp_path, tiny_llama, async_rl={"sampler.max_staleness_versions": 0},
+                             generation={"group_size": 8}, trainer={"groups_per_step": 8})
     port = tomllib.loads(config.read_text())["telemetry"]["metrics_port"]
     scd = ScdProcess(config, "--max-steps", "10")
     scd_processes.append(scd)
@@ -232,7 +233,8 @@ def test_scd_run_on_vllm_reaches_max_steps_with_both_metric_families(tiny_llama:
 
 def test_vllm_checkpoint_kill_and_restore_trains_on(tiny_llama: Path, tmp_path: Path,
                                                     scd_processes: list[ScdProcess]) -> None:
-    config = vllm_cpu_config(tmp_path, tiny_llama, checkpointing={"enabled": True, "interval_s": 3600})
+    config = vllm_cpu_config(tmp_path, tiny_llama, checkpointing={"enabled": True, "interval_s": 3600},
+                             generation={"group_size": 8}, trainer={"groups_per_step": 8})
     root = tmp_path / "out" / "checkpoints"
     first = ScdProcess(config)
     scd_processes.append(first)
