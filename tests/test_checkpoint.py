@@ -307,15 +307,16 @@ async def test_no_artifact_starts_empty(tmp_path: Path, tq_session: None) -> Non
     assert controller.state.trainer_step == 0 and len(controller.state.replay) == 0
 
 
-async def test_gated_sampler_restores_in_shadow_mode(tmp_path: Path, tq_session: None) -> None:
+async def test_a_sampler_without_replay_support_restores_in_shadow_mode(tmp_path: Path, tq_session: None) -> None:
     root = tmp_path / "checkpoints"
-    sampler = {"sampler": {"name": "in_order", "max_staleness_versions": 1}}
+    sampler = {"sampler": {"name": "tests.test_samplers:ShadowInOrder", "max_staleness_versions": 1}}
     config = config_for(root, async_rl=sampler)
     await clear_partition()
     async with Controller.open(config) as controller:
         await controller.run(max_steps=3)
-        ready_before = set(controller.state.ledger.in_state(PromptState.READY))
-        in_flight_before = set(controller.state.ledger.in_state(PromptState.IN_FLIGHT))
+    sidecar = orjson.loads((newest(root) / layout.SIDECAR_FILE).read_bytes())
+    ready_before = {e[0] for e in sidecar["ledger"]["entries"] if e[3] == "ready"}
+    in_flight_before = {e[0] for e in sidecar["ledger"]["entries"] if e[3] == "in_flight"}
     info = orjson.loads((newest(root) / layout.TRAINING_INFO_FILE).read_bytes())
     assert info["supports_replay_checkpoint"] is False
     assert (newest(root) / layout.DATA_PLANE_DIR).is_dir()
@@ -324,6 +325,40 @@ async def test_gated_sampler_restores_in_shadow_mode(tmp_path: Path, tq_session:
     assert set(controller.state.ledger.in_state(PromptState.IN_FLIGHT)) == ready_before | in_flight_before
     targets = sorted(controller.state.ledger.entry(g).target_step for g in ready_before | in_flight_before)
     assert targets[0] == 3
+
+
+@pytest.mark.parametrize("name", ["in_order", "weight_fifo"])
+async def test_gated_samplers_restore_exactly_where_they_stopped(tmp_path: Path, tq_session: None, name: str) -> None:
+    root = tmp_path / "checkpoints"
+    sampler = {"sampler": {"name": name, "max_staleness_versions": 1}}
+    await clear_partition()
+    async with Controller.open(config_for(root, async_rl=sampler)) as controller:
+        await controller.run(max_steps=3)
+    bundle = newest(root)
+    sidecar = orjson.loads((bundle / layout.SIDECAR_FILE).read_bytes())
+    assert orjson.loads((bundle / layout.TRAINING_INFO_FILE).read_bytes())["supports_replay_checkpoint"] is True
+    entries = {e[0]: e for e in sidecar["ledger"]["entries"]}
+
+    await clear_partition()
+    async with Controller.open(config_for(root, async_rl=sampler)) as controller:
+        await controller.restore()
+        state = controller.state
+        # Nothing finished is dropped or made again: the ready groups are back with their rows and
+        # targets, in-flight prompts keep their targets, and the quota continues where it stopped.
+        assert [g.group_id for g in state.replay.groups()] == [g["group_id"] for g in sidecar["groups"]]
+        assert state.sampler.state() == sidecar["sampler"]["state"]
+        for group_id in state.ledger.in_state(PromptState.IN_FLIGHT):
+            assert state.ledger.entry(group_id).target_step == entries[group_id][5]
+        await controller.run(max_steps=6)
+        assert state.trainer_step == 6
+    events = [orjson.loads(line) for line in (root.parent / "out" / "events.jsonl").read_bytes().splitlines()]
+    restore = next(e for e in events if e["event"] == "restore")
+    assert restore["shadow"] is False and restore["groups_restored"] == len(sidecar["groups"])
+    trained = [e for e in events if e["event"] == "train_step"]
+    assert [e["step"] for e in trained] == [1, 2, 3, 4, 5, 6]
+    consumed = [tuple(p) for e in trained for p in e["prompt_ids"]]
+    assert len(consumed) == len(set(consumed)), "a prompt was trained twice"
+    await clear_partition()
 
 
 async def test_io_failures_are_retried_then_stop_the_daemon_leaving_bundles_intact(

@@ -305,7 +305,7 @@ async def test_tq_save_failing_or_timing_out_releases_the_barrier_removes_tmp_an
     import transfer_queue as tq
 
     root = tmp_path / "checkpoints"
-    timeout_s = 2.0
+    timeout_s = 5.0
     config = config_for(root, partition, data_plane={"call_timeout_s": timeout_s},
                         checkpointing={"keep_last": 3})
     labels = {"outcome": "failed", "reason": "timeout"}
@@ -341,7 +341,7 @@ async def test_tq_save_failing_or_timing_out_releases_the_barrier_removes_tmp_an
         finally:
             unblock.set()
         if failure == "hangs":
-            assert timeout_s <= elapsed < timeout_s + 10
+            assert timeout_s <= elapsed < timeout_s + 20
         assert metric("scd_checkpoint_attempts_total", **labels) == before + 1
         assert checkpointer.statistics().consecutive_failures == 1
         assert not layout.tmp_dir(root, 1).exists() and not layout.leftover_tmp_dirs(root)
@@ -636,12 +636,15 @@ async def test_restored_groups_count_against_buffer_capacity(golden: dict[str, A
         with anyio.fail_after(WAIT_S):
             async with anyio.create_task_group() as tg:
                 tg.start_soon(controller.rollout_pump, send)
-                while True:
-                    with anyio.move_on_after(1.0):
-                        requests.append(await receive.receive())
-                        continue
-                    break  # a second without a new request: the pump is waiting for capacity
+                while state.in_flight + len(state.replay) < capacity:
+                    await anyio.sleep(0.01)
+                await anyio.sleep(0.5)  # room for any admission beyond capacity to show
                 tg.cancel_scope.cancel()
+        while True:
+            try:
+                requests.append(receive.receive_nowait())
+            except (anyio.WouldBlock, anyio.EndOfStream):
+                break
         new = [r for r in requests if r.group_id not in restored_in_flight]
         assert {r.group_id for r in requests} - {r.group_id for r in new} == restored_in_flight
         assert len(new) == capacity - ready - in_flight

@@ -59,9 +59,28 @@ def test_in_order_trains_exactly_its_target_step():
     assert sampler.select(ready[1:], 0, 0) == []
 
 
-class GatedButClaimsRecovery(InOrderSampler):
-    name = "custom"
-    supports_replay_checkpoint = True
+class LeakyQuota(WindowedSampler):
+    """Claims recovery (inherited flag) but gates on a quota that state() does not carry."""
+
+    name = "leaky_quota"
+
+    def __init__(self, max_staleness_versions: int, groups_per_step: int) -> None:
+        super().__init__(max_staleness_versions, groups_per_step)
+        self.quota = 3 * groups_per_step
+
+    def may_dispatch(self, trainer_step: int) -> bool:
+        return self.quota > 0
+
+    def on_dispatch(self) -> int | None:
+        self.quota -= 1
+        return super().on_dispatch()
+
+
+class ShadowInOrder(InOrderSampler):
+    """A custom gated sampler that declares no replay support: it restores in shadow mode."""
+
+    name = "shadow_in_order"
+    supports_replay_checkpoint = False
 
 
 class NotASampler:
@@ -76,7 +95,7 @@ class CustomWindowed(WindowedSampler):
 
 
 class WindowedThatGates(WindowedSampler):
-    """Inherits the flag from WindowedSampler but gates dispatch: its behaviour, not its flag, decides."""
+    """Gates dispatch on the count the base state() carries: its behaviour shows it recoverable."""
 
     name = "windowed_that_gates"
 
@@ -95,8 +114,7 @@ NOT_CALLABLE = 42
 
 
 @pytest.mark.parametrize(("spec", "message"), [
-    ("tests.test_samplers:GatedButClaimsRecovery", "gates dispatch"),
-    ("tests.test_samplers:WindowedThatGates", r"gates dispatch \(it overrides \['may_dispatch'\]"),
+    ("tests.test_samplers:LeakyQuota", r"gates dispatch \(it overrides \['may_dispatch', 'on_dispatch'\]\) with state"),
     ("tests.test_samplers:NotASampler", "not a subclass"),
     ("tests.test_samplers:NOT_CALLABLE", "not a subclass"),
     ("tests.test_samplers:NoCapability", "must declare supports_replay_checkpoint"),
@@ -109,10 +127,12 @@ def test_custom_sampler_capability_is_checked_by_behaviour(tmp_path, spec, messa
     assert info.value.key == "async_rl.sampler.name"
 
 
-def test_a_well_declared_custom_sampler_is_built(tmp_path):
-    config = parse_config({"async_rl": {"sampler": {"name": "tests.test_samplers:CustomWindowed"}}}, tmp_path)
+@pytest.mark.parametrize("spec", ["tests.test_samplers:CustomWindowed", "tests.test_samplers:WindowedThatGates",
+                                  "in_order", "weight_fifo"])
+def test_a_sampler_whose_dispatch_state_round_trips_may_claim_recovery(tmp_path, spec):
+    config = parse_config({"async_rl": {"sampler": {"name": spec}}}, tmp_path)
     sampler = build_sampler(config)
-    assert isinstance(sampler, CustomWindowed) and sampler.supports_replay_checkpoint
+    assert sampler.supports_replay_checkpoint
 
 
 @pytest.mark.parametrize("name", ["in_order", "weight_fifo"])
@@ -148,7 +168,7 @@ def test_a_gated_sampler_never_stalls_when_its_groups_go_stale(name):
 
 def test_a_bad_custom_sampler_exits_2_before_ray_starts(tmp_path):
     config = tmp_path / "scd.toml"
-    config.write_text('[async_rl.sampler]\nname = "tests.test_samplers:WindowedThatGates"\n')
+    config.write_text('[async_rl.sampler]\nname = "tests.test_samplers:LeakyQuota"\n')
     started = time.monotonic()
     out = subprocess.run([*SCD, "run", str(config)], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert out.returncode == 2, out.stderr
