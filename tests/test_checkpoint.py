@@ -516,3 +516,14 @@ async def test_a_jsonl_task_edited_in_place_is_refused(tmp_path: Path, tq_sessio
     with pytest.raises(InvariantViolation, match=r"step_00000003.*task\.path holds 5 prompts"):
         await restore_into_fresh_controller(config_for(root, task=jsonl), allow_config_change=True)
     assert tree_digest(root) == before
+
+
+def test_retention_never_deletes_the_bundle_just_written(tmp_path: Path) -> None:
+    """After --restore-from an older bundle, the new bundle's step is below those already there."""
+    from scd.checkpoint.save import apply_retention
+
+    for step in (1, 2, 5, 6):
+        (layout.step_dir(tmp_path, step)).mkdir()
+        (layout.step_dir(tmp_path, step) / layout.COMMIT_MARKER).write_text("x")
+    apply_retention(tmp_path, keep_last=2, written=layout.step_dir(tmp_path, 2))
+    assert [layout.step_of(b) for b in layout.finalized_bundles(tmp_path)] == [2, 6]

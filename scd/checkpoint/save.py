@@ -170,15 +170,19 @@ def write_bundle(pending: PendingBundle, keep_last: int, context: BundleContext)
     layout.fsync_path(pending.final.parent)
     faults.hit("after_finalize_before_latest")
     layout.write_atomic(pending.final.parent / layout.LATEST, pending.final.name.encode())
-    apply_retention(pending.final.parent, keep_last)
+    apply_retention(pending.final.parent, keep_last, pending.final)
     lap(CheckpointPhase.COMMIT)
     return {"sidecar_bytes": len(sidecar), "data_plane_bytes": data_plane_bytes}
 
 
-def apply_retention(root: Path, keep_last: int) -> None:
-    """Delete all but the newest ``keep_last`` finalized bundles (never the one ``latest`` names)."""
-    bundles = layout.finalized_bundles(root)
-    for old in bundles[:-keep_last]:
+def apply_retention(root: Path, keep_last: int, written: Path) -> None:
+    """Keep ``written`` (the bundle ``latest`` now names) and the newest ``keep_last - 1`` others.
+
+    After a ``--restore-from`` an older bundle, ``written`` can have a lower step than bundles
+    already there; it is never the one deleted.
+    """
+    others = [b for b in layout.finalized_bundles(root) if b != written]
+    for old in others[: max(len(others) - (keep_last - 1), 0)]:
         # Un-finalize first: a crash mid-delete must not leave a half bundle that looks valid.
         (old / layout.COMMIT_MARKER).unlink()
         layout.fsync_path(old)
