@@ -278,7 +278,7 @@ async def commit_path(tmp: Path, groups: int = 20_000) -> dict[str, float]:
     started = time.monotonic()
     batch = controller.state.replay.groups()
     for i in range(0, len(batch), 16):
-        await controller.consume(batch[i:i + 16])
+        await controller.state.finish_step(batch[i:i + 16])
     consumed = time.monotonic() - started
     return {"commit_path_groups_per_s": groups / committed, "consume_path_groups_per_s": groups / consumed}
 

@@ -221,13 +221,16 @@ class Controller:
         """The task scores each sibling's decoded text: the one place a completion is judged."""
         req = result.request
         answer = self.prompts[req.prompt_id].answer
+        completions = result.completions
+        # One tensor per field for the whole group, split into per-sibling views (TQ copies each row).
+        ids = torch.tensor([t for c in completions for t in (*req.prompt_ids, *c.token_ids)], dtype=torch.int64)
+        logprobs = torch.tensor([lp for c in completions for lp in c.logprobs], dtype=torch.float32)
+        id_rows = ids.split([len(req.prompt_ids) + len(c.token_ids) for c in completions])
+        logprob_rows = logprobs.split([len(c.logprobs) for c in completions])
         return [
-            Rollout(
-                input_ids=torch.tensor([*req.prompt_ids, *c.token_ids], dtype=torch.int64),
-                logprobs=torch.tensor(c.logprobs, dtype=torch.float32), prompt_len=len(req.prompt_ids),
-                reward=score(self.policy.decode(c.token_ids), answer), weight_version=c.weight_version,
-            )
-            for c in result.completions
+            Rollout(input_ids=row_ids, logprobs=row_logprobs, prompt_len=len(req.prompt_ids),
+                    reward=score(self.policy.decode(c.token_ids), answer), weight_version=c.weight_version)
+            for c, row_ids, row_logprobs in zip(completions, id_rows, logprob_rows, strict=True)
         ]
 
     async def commit(self, result: GroupResult) -> None:

@@ -4,8 +4,8 @@ The state is the prompt ledger, the replay index, the prompt order (the
 dataloader cursor), the sampler's dispatch state and the trainer counters.
 
 The rule, said once: **every change to this state happens inside a mutation
-holding the checkpoint barrier's shared side** (``_mutation``, tagged with a
-``MutationKind``), counters and ledger prunes included.  A cut is taken under
+holding the checkpoint barrier's shared side** (``barrier.mutation``, tagged
+with a ``MutationKind``), counters and ledger prunes included.  A cut is taken under
 the exclusive side, so it sees every change whole or not at all.  There is no
 other way in or out for checkpoints: ``snapshot()`` reads a cut, ``install()``
 puts a restored one back before any mutation has run.
@@ -18,8 +18,7 @@ the index that names them change together.
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Sequence
-from contextlib import asynccontextmanager
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -107,16 +106,11 @@ class ControllerState:
             committed_groups=self.committed_groups, evicted_stale=self.evicted_stale, ledger=self.ledger.counts(),
         )
 
-    @asynccontextmanager
-    async def _mutation(self, kind: MutationKind) -> AsyncIterator[None]:
-        async with self.barrier.mutation(kind):
-            yield
-
     # ---- mutations -------------------------------------------------------------------------------
 
     async def admit(self) -> str:
         """Advance the cursor and record the prompt in flight, as one mutation (atomic admission)."""
-        async with self._mutation(MutationKind.ADMIT):
+        async with self.barrier.mutation(MutationKind.ADMIT):
             epoch, prompt_id = self.order.take()
             group_id = self.ledger.admit(epoch, prompt_id, self.sampler.on_dispatch())
             self.in_flight += 1
@@ -124,13 +118,13 @@ class ControllerState:
 
     async def redispatch_in_flight(self) -> list[str]:
         """Every prompt the ledger holds in flight: a run that stopped mid-generation left them there."""
-        async with self._mutation(MutationKind.REDISPATCH):
+        async with self.barrier.mutation(MutationKind.REDISPATCH):
             pending = self.ledger.in_state(PromptState.IN_FLIGHT)
             self.in_flight = len(pending)
         return pending
 
     async def note_redispatch(self, group_id: str, reason: str) -> None:
-        async with self._mutation(MutationKind.REDISPATCH):
+        async with self.barrier.mutation(MutationKind.REDISPATCH):
             self.ledger.note_redispatch(group_id, reason)
 
     async def commit(self, group: GroupMeta, rows: Sequence[Rollout]) -> None:
@@ -138,7 +132,7 @@ class ControllerState:
 
         The original error propagates; a failing clear is attached to it as context.
         """
-        async with self._mutation(MutationKind.COMMIT):
+        async with self.barrier.mutation(MutationKind.COMMIT):
             state = self.ledger.state_of(group.group_id)
             if state is not PromptState.IN_FLIGHT:
                 raise InvariantViolation(f"commit of group {group.group_id} whose ledger state is {state}")
@@ -169,7 +163,7 @@ class ControllerState:
 
     async def finish_step(self, batch: Sequence[GroupMeta]) -> None:
         """A train step's groups are consumed and the counters advance, together."""
-        async with self._mutation(MutationKind.CONSUME):
+        async with self.barrier.mutation(MutationKind.CONSUME):
             await self._remove(MutationKind.CONSUME, batch, PromptState.CONSUMED)
             self.trainer_step += 1
             self.weight_version += 1
@@ -179,7 +173,7 @@ class ControllerState:
         """Drop every group the sampler calls stale at the current version; returns them."""
         stale = [g for g in self.replay.groups() if self.sampler.is_stale(g, self.weight_version)]
         if stale:
-            async with self._mutation(MutationKind.EVICT):
+            async with self.barrier.mutation(MutationKind.EVICT):
                 await self._remove(MutationKind.EVICT, stale, PromptState.DROPPED, DropReason.STALE)
                 for group in stale:
                     self.sampler.on_evicted(group)

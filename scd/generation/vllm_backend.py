@@ -157,6 +157,9 @@ class VLLMBackend:
         return self._tokens
 
     async def aclose(self) -> None:
+        # Stop reading outputs first: once the engine core is gone the reader would log EngineDeadError.
+        if self._engine.output_handler is not None:
+            self._engine.output_handler.cancel()
         await anyio.to_thread.run_sync(self._engine.shutdown)
         # AsyncLLM.__del__ calls shutdown() again, at interpreter teardown when the module globals it
         # needs are gone (a TypeError on stderr at every exit); the engine is already down.
