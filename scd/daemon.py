@@ -147,7 +147,7 @@ class Controller:
             return
         if self.checkpointer is not None:
             self.checkpointer.restored_from(report.step, report.bundle_time)
-        evicted = len(await self.state.evict_stale())
+        evicted = await self.evict_stale()
         await self.backend.update_weights(self.trainer.weights(), self.state.weight_version)
         for phase, seconds in report.phases.items():
             metrics.restore_phase.labels(phase).observe(seconds)

@@ -43,6 +43,10 @@ from scd.training.policy import Policy
 log = logging.getLogger(__name__)
 
 
+# vLLM's finish reasons that scd knows; any other (an engine error, say) counts as aborted.
+_FINISH_REASONS = {reason.value: reason for reason in FinishReason}
+
+
 def engine_args(config: Config, policy: Policy) -> dict[str, Any]:
     """Keyword arguments of ``vllm.AsyncEngineArgs`` for this config."""
     cfg = config.generation.vllm
@@ -97,6 +101,8 @@ class VLLMBackend:
         params = self._vllm.SamplingParams(
             n=req.group_size, temperature=self._temperature, max_tokens=req.max_tokens, logprobs=0,
             output_kind=self._vllm.sampling_params.RequestOutputKind.FINAL_ONLY, detokenize=False,
+            # A row in TQ is a jagged tensor of at least one token: an EOS first is not a completion.
+            min_tokens=1,
         )
         final = None
         self._running[request_id] = version
@@ -111,8 +117,7 @@ class VLLMBackend:
             Completion(
                 token_ids=list(c.token_ids),
                 logprobs=[step[token].logprob for step, token in zip(c.logprobs or [], c.token_ids, strict=True)],
-                finish_reason=FinishReason(c.finish_reason) if c.finish_reason in FinishReason._value2member_map_
-                else FinishReason.ABORT,
+                finish_reason=_FINISH_REASONS.get(c.finish_reason, FinishReason.ABORT),
                 weight_version=version,
             )
             for c in final.outputs
