@@ -46,7 +46,8 @@ def storage_bytes_held() -> int:
 
 async def test_variable_length_rows_round_trip(partition: str) -> None:
     dp = make_dataplane(partition)
-    rows = [rollout(i, completion=3 + i) for i in range(5)]
+    # Completion lengths 0..4: an EOS-first completion is an empty logprob row.
+    rows = [rollout(i, completion=i) for i in range(5)]
     ids = [f"g0/{i}" for i in range(5)]
     await dp.put_rows(ids, rows)
     assert await dp.list_ids() == set(ids)

@@ -9,7 +9,10 @@ how ``make test`` exercises it.  Choices, each for a defect of the first draft:
   one output carries every sibling, complete.  A group with an aborted or
   missing sibling comes back marked ``aborted`` and is never committed.
 * Logprobs are vLLM's *processed* logprobs (after temperature), the trainer's
-  convention, so the PPO ratio is unbiased at any temperature.
+  convention, so the PPO ratio is unbiased at any temperature.  No other logits
+  processor may run (``min_tokens`` would mask EOS and shift the first token's
+  logprob by -log(1 - p(EOS)), measured 0.014): an EOS-first completion is an
+  empty row, which TQ stores like any other.
 * Weight sync pauses the scheduler in ``keep`` mode (in-flight requests wait,
   nothing is aborted), reloads the weights in place from safetensors written
   to a staging directory (tensors cannot cross vLLM's process boundary by
@@ -101,8 +104,6 @@ class VLLMBackend:
         params = self._vllm.SamplingParams(
             n=req.group_size, temperature=self._temperature, max_tokens=req.max_tokens, logprobs=0,
             output_kind=self._vllm.sampling_params.RequestOutputKind.FINAL_ONLY, detokenize=False,
-            # A row in TQ is a jagged tensor of at least one token: an EOS first is not a completion.
-            min_tokens=1,
         )
         final = None
         self._running[request_id] = version
