@@ -46,8 +46,7 @@ GOALS = {
 def tiny(tmp: Path, partition: str = "bench", **overrides: dict[str, object]) -> Config:
     base: dict[str, dict[str, object]] = {"run": {"output_dir": str(tmp)}, "telemetry": {"metrics_port": 0},
                                           "data_plane": {"partition": partition}}
-    return derive_config(REPO / "configs" / "tiny.toml",
-                         {k: {**base.get(k, {}), **overrides.get(k, {})} for k in base.keys() | overrides.keys()})
+    return derive_config(REPO / "configs" / "tiny.toml", base, overrides)
 
 
 def percentile(samples: list[float], q: float) -> float:

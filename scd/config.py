@@ -222,11 +222,12 @@ def parse_config(data: dict[str, object], base_dir: Path) -> Config:
     return config
 
 
-def derive_config(path: Path, overrides: dict[str, dict[str, object]]) -> Config:
-    """The config file at ``path`` with whole sections' keys overridden (tests, benchmarks)."""
+def derive_config(path: Path, *layers: dict[str, dict[str, object]]) -> Config:
+    """The config file at ``path`` with sections' keys overridden by each layer in turn (tests, benchmarks)."""
     data = tomllib.loads(path.read_text())
-    for section, values in overrides.items():
-        data.setdefault(section, {}).update(values)
+    for layer in layers:
+        for section, values in layer.items():
+            data.setdefault(section, {}).update(values)
     return parse_config(data, path.resolve().parent)
 
 

@@ -145,11 +145,7 @@ def tiny_config(tmp_path: Path, partition: str, **sections: dict[str, object]) -
 
     base = {"run": {"output_dir": str(tmp_path / "out")}, "data_plane": {"partition": partition},
             "telemetry": {"metrics_port": 0}}
-    return derive_config(REPO / "configs" / "tiny.toml", merge_sections(base, sections))
-
-
-def merge_sections(base: dict[str, dict[str, Any]], overrides: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    return {key: {**base.get(key, {}), **overrides.get(key, {})} for key in base.keys() | overrides.keys()}
+    return derive_config(REPO / "configs" / "tiny.toml", base, sections)
 
 
 def toml_text(data: dict[str, Any], prefix: str = "") -> str:

@@ -33,7 +33,7 @@ from scd.generation.vllm_backend import VLLMBackend
 from scd.ledger import PromptState
 from scd.records import COMPLETE
 from scd.training.policy import HFPolicy, state_copy
-from tests.conftest import REPO, ScdProcess, merge_sections, vllm_cpu_config
+from tests.conftest import REPO, ScdProcess, vllm_cpu_config
 from tests.test_process import metric, scrape
 
 # The Makefile installs vLLM wherever a build exists: vllm-cpu on x86_64 Linux, the [vllm] extra on CUDA
@@ -50,7 +50,7 @@ def vllm_config(model_dir: Path, out: Path, partition: str = "vllm", **sections:
     base = {"model": {"name": str(model_dir)}, "run": {"output_dir": str(out)},
             "data_plane": {"partition": partition}, "telemetry": {"metrics_port": 0},
             "generation": {"temperature": TEMPERATURE, "group_size": 8}, "trainer": {"groups_per_step": 8}}
-    return derive_config(REPO / "configs" / "vllm-cpu.toml", merge_sections(base, sections))
+    return derive_config(REPO / "configs" / "vllm-cpu.toml", base, sections)
 
 
 @pytest_asyncio.fixture(scope="session", loop_scope="session")

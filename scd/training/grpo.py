@@ -114,7 +114,7 @@ class GRPOTrainer:
             on_policy_tokens = int(mask[on_policy].sum())
         return StepResult(
             loss=float(loss.detach()), reward_mean=float(torch.tensor([r.reward for r in rows]).mean()),
-            clip_fraction=float(clip_fraction), entropy=float(entropy), tokens=int(n_tokens),
+            clip_fraction=float(clip_fraction), entropy=float(entropy.detach()), tokens=int(n_tokens),
             logprob_mismatch_mean=float(gap.sum() / on_policy_tokens) if on_policy_tokens else None,
             logprob_mismatch_max=float(gap.max()) if on_policy_tokens else None,
             logprob_mismatch_tokens=on_policy_tokens,
