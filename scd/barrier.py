@@ -42,6 +42,7 @@ class BarrierStatistics:
     mutations: dict[str, int] = field(default_factory=dict)
     blocked: dict[str, int] = field(default_factory=dict)
     wait_seconds: dict[str, float] = field(default_factory=dict)
+    max_wait_seconds: dict[str, float] = field(default_factory=dict)  # the longest single wait, per kind
     exclusive_holds: int = 0
 
 
@@ -62,6 +63,7 @@ class CheckpointBarrier:
         self._mutations: Counter[str] = Counter()
         self._blocked: Counter[str] = Counter()
         self._wait_seconds: Counter[str] = Counter()
+        self._max_wait_seconds: dict[str, float] = {}
         self._exclusive_holds = 0
         self._blocked_since: float | None = None  # when the first mutation blocked by this checkpoint began to wait
         self._on_blocked = on_blocked
@@ -84,6 +86,7 @@ class CheckpointBarrier:
             shared_active=len(self._holders), exclusive_active=self._exclusive,
             exclusive_waiting=self._exclusive_waiting, mutations=dict(self._mutations),
             blocked=dict(self._blocked), wait_seconds=dict(self._wait_seconds),
+            max_wait_seconds=dict(self._max_wait_seconds),
             exclusive_holds=self._exclusive_holds,
         )
 
@@ -112,6 +115,7 @@ class CheckpointBarrier:
             waited = time.monotonic() - started
             self._blocked[kind.value] += 1
             self._wait_seconds[kind.value] += waited
+            self._max_wait_seconds[kind.value] = max(waited, self._max_wait_seconds.get(kind.value, 0.0))
             if self._on_blocked:
                 self._on_blocked(kind, waited)
         self._holders[task] = 1

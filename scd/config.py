@@ -73,15 +73,29 @@ class VLLMGenerationConfig(_Section):
     extra_engine_args: dict[str, object] = msgspec.field(default_factory=dict)
 
 
+class SyntheticGenerationConfig(_Section):
+    """The load-testing backend (scd.generation.synthetic_backend): random tokens at a set rate, no model."""
+
+    tokens_per_s: float = 20_000.0
+    min_completion_tokens: int = 16
+    max_completion_tokens: int = 16
+    batch_groups: int = 4
+    max_concurrent_batches: int = 4
+
+
 class GenerationConfig(_Section):
-    backend: Literal["torch", "vllm"] = "torch"
+    backend: Literal["torch", "vllm", "synthetic"] = "torch"
     group_size: int = 8
     # A completion may use at most this many tokens (and no more than its answer has).
     max_new_tokens: int = 16
     temperature: float = 1.0
     max_inflight_prompts: int = 8
+    # Finished groups that may wait for the committer (TQ puts queue behind a TQ save) while
+    # generation goes on: how far generation runs ahead of a held commit path.
+    commit_queue_groups: int = 64
     torch: TorchGenerationConfig = msgspec.field(default_factory=TorchGenerationConfig)
     vllm: VLLMGenerationConfig = msgspec.field(default_factory=VLLMGenerationConfig)
+    synthetic: SyntheticGenerationConfig = msgspec.field(default_factory=SyntheticGenerationConfig)
 
 
 class TrainerConfig(_Section):
@@ -282,9 +296,22 @@ def validate(config: Config) -> None:
     _require(gen.max_new_tokens >= 1, "generation.max_new_tokens", "must be >= 1")
     _require(gen.temperature > 0, "generation.temperature", f"must be > 0, got {gen.temperature}")
     _require(gen.max_inflight_prompts >= 1, "generation.max_inflight_prompts", "must be >= 1")
+    _require(gen.commit_queue_groups >= 1, "generation.commit_queue_groups", "must be >= 1")
     _require(gen.torch.batch_groups >= 1, "generation.torch.batch_groups", "must be >= 1")
     _require(0 < gen.vllm.gpu_memory_utilization <= 1, "generation.vllm.gpu_memory_utilization",
              f"must be in (0, 1], got {gen.vllm.gpu_memory_utilization}")
+    syn = gen.synthetic
+    _require(syn.tokens_per_s > 0, "generation.synthetic.tokens_per_s", f"must be > 0, got {syn.tokens_per_s}")
+    _require(1 <= syn.min_completion_tokens <= syn.max_completion_tokens, "generation.synthetic.min_completion_tokens",
+             f"need 1 <= min_completion_tokens <= max_completion_tokens, got "
+             f"{syn.min_completion_tokens}..{syn.max_completion_tokens}")
+    _require(syn.batch_groups >= 1 and syn.max_concurrent_batches >= 1, "generation.synthetic.batch_groups",
+             "batch_groups and max_concurrent_batches must be >= 1")
+    _require(gen.backend != "synthetic" or config.model.name != "tiny"
+             or config.model.max_len >= 2 * task.max_digits + 3 + syn.max_completion_tokens,
+             "generation.synthetic.max_completion_tokens",
+             f"prompts of {task.max_digits} digits plus {syn.max_completion_tokens} tokens do not fit "
+             f"model.max_len = {config.model.max_len}")
     _require(gen.backend != "vllm" or config.model.name != "tiny", "model.name",
              "generation.backend = 'vllm' serves a Hugging Face model: set model.name to a local model "
              "directory (`scd model init-tiny DIR` makes a small one)")

@@ -5,7 +5,9 @@ Tasks (each named for what it does):
 * ``rollout_pump``    admits prompts (capacity, sampler gate) and hands them to generation
 * ``generation_pump`` batches admitted prompts into backend calls; finished groups go to the
   committer, aborted ones back to generation
-* ``committer``       scores a group, puts its rows into TQ and records it in the replay index
+* ``committer``       scores a group, puts its rows into TQ and records it in the replay index;
+  generation never waits for it (a TQ save can hold puts for seconds): finished groups queue,
+  bounded by the buffer capacity
 * ``train_pump``      (the host task) selects groups, trains, syncs weights; takes due checkpoints
 * ``checkpoint_scheduler`` turns the interval and SIGUSR1 into a checkpoint due at the next step
   boundary; ``checkpoint_writer`` writes bundles, one at a time
@@ -100,6 +102,9 @@ class Controller:
         self.checkpointer = (Checkpointer(config, self.events, self.state, dataplane, self.trainer)
                              if config.checkpointing.enabled else None)
         self.committed_tokens = 0  # completion tokens of committed groups
+        # Finished groups queued for the committer: still in flight in the ledger (a crash
+        # generates them again), but no longer taking a generation slot.
+        self.awaiting_commit = 0
         self.metrics_port: int | None = None
         self.ready = False
         self._last_stall = (0.0, 0.0)  # (monotonic time, seconds late) of the worst recent probe
@@ -107,6 +112,7 @@ class Controller:
         self._changed = anyio.Event()
         self._checkpoint_due: Trigger | None = None
         self._last_step_mark = (time.monotonic(), 0, 0, 0)
+        self._last_read_s = 0.0  # how long the last train step waited for its rows from TQ
         for phase in RestorePhase:
             metrics.restore_phase.labels(phase.value)
 
@@ -162,6 +168,7 @@ class Controller:
             "restore", report.step, bundle=str(report.bundle), phases=report.phases,
             groups_restored=report.groups_restored, groups_evicted_stale=evicted,
             prompts_redispatched=report.prompts_redispatched, shadow=report.shadow,
+            uncut_rows_cleared=report.uncut_rows_cleared,
         )
 
     # ---- observation -------------------------------------------------------------------------
@@ -269,7 +276,8 @@ class Controller:
     def _has_capacity(self) -> bool:
         state = self.state
         return (
-            state.in_flight < self.config.generation.max_inflight_prompts
+            state.in_flight - self.awaiting_commit < self.config.generation.max_inflight_prompts
+            and self.awaiting_commit < self.config.generation.commit_queue_groups
             and state.in_flight + len(state.replay) < self.config.async_rl.buffer_capacity_groups
             and state.sampler.may_dispatch(state.trainer_step)
         )
@@ -301,6 +309,10 @@ class Controller:
                 results = await self.backend.generate(batch)
             for result in results:
                 if not result.incomplete_reason():
+                    # Generation is done with it: its slot goes to the next prompt, even while
+                    # commits wait on a TQ save.
+                    self.awaiting_commit += 1
+                    self._notify()
                     await to_commit.send(result)
                 elif not self._shutdown.is_set():
                     tg.start_soon(run_batch, [await self.redispatch_aborted(result)], name="generate_batch")
@@ -321,7 +333,10 @@ class Controller:
     async def committer(self, results: MemoryObjectReceiveStream[GroupResult]) -> None:
         async with results:
             async for result in results:
-                await self.commit(result)
+                try:
+                    await self.commit(result)
+                finally:
+                    self.awaiting_commit -= 1
 
     async def wait_for_batch(self) -> list[GroupMeta]:
         """Evict stale groups, then wait until the sampler hands out a full step (or shutdown)."""
@@ -335,13 +350,14 @@ class Controller:
         return []
 
     async def train_step(self, batch: list[GroupMeta]) -> None:
+        read_started = time.monotonic()
         data = await self.dataplane.get_rows([sid for g in batch for sid in g.sample_ids])
-        input_ids, logprobs = data["input_ids"].unbind(), data["logprobs"].unbind()
+        self._last_read_s = time.monotonic() - read_started
         groups, at = [], 0
         for group in batch:
-            n = len(group.sample_ids)
-            groups.append(rollouts_of(group, input_ids[at:at + n], logprobs[at:at + n]))
-            at += n
+            rows = data[at:at + len(group.sample_ids)]
+            groups.append(rollouts_of(group, [ids for ids, _ in rows], [lp for _, lp in rows]))
+            at += len(rows)
         # From here the step is applied whole or not at all: a drain deadline must not leave
         # trained weights behind an unadvanced step counter.
         with anyio.CancelScope(shield=True):
@@ -378,6 +394,7 @@ class Controller:
             prompt_ids=[[g.epoch, g.prompt_id] for g in batch],
             logprob_mismatch_mean=result.logprob_mismatch_mean, logprob_mismatch_max=result.logprob_mismatch_max,
             logprob_mismatch_tokens=result.logprob_mismatch_tokens, weight_sync_ms=weight_sync_s * 1e3,
+            tq_read_ms=self._last_read_s * 1e3,
             committed_groups_per_s=(groups_done - last_groups) / elapsed,
             generated_tokens_per_s=(tokens - last_tokens) / elapsed,
             committed_tokens_per_s=(committed - last_committed) / elapsed,

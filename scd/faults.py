@@ -13,7 +13,8 @@ import os
 import sys
 
 POINTS = (
-    "before_barrier", "in_exclusive_hold", "after_tq_save", "mid_sidecar_write", "before_finalize_rename",
+    "before_barrier", "in_exclusive_hold", "post_cut_commit", "after_tq_save", "during_deferred_clear",
+    "mid_sidecar_write", "before_finalize_rename",
     "after_finalize_before_latest", "during_retention", "during_restore_tq_load", "during_restore_index",
 )
 ACTIONS = ("exit", "enospc")

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import enum
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from scd.errors import InvariantViolation
 from scd.schema import LedgerDocument, LedgerEntryRecord
@@ -39,8 +39,10 @@ def group_id_for(epoch: int, prompt_id: int) -> str:
     return f"e{epoch}-p{prompt_id}"
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class LedgerEntry:
+    """Immutable: a change replaces the entry, so a copied ledger (a checkpoint's cut) never sees it."""
+
     epoch: int
     prompt_id: int
     state: PromptState
@@ -71,15 +73,14 @@ class PromptLedger:
             raise InvariantViolation(f"group {group_id} is not in the prompt ledger")
         if state not in _NEXT[entry.state]:
             raise InvariantViolation(f"group {group_id}: illegal ledger move {entry.state} -> {state}")
-        entry.state = state
-        entry.reason = reason
+        self._entries[group_id] = replace(entry, state=state, reason=reason)
 
     def note_redispatch(self, group_id: str, reason: str) -> None:
         """An in-flight group goes to generation again (its last attempt was aborted); keep why."""
         entry = self._entries.get(group_id)
         if entry is None or entry.state is not PromptState.IN_FLIGHT:
             raise InvariantViolation(f"redispatch of group {group_id} that is not in flight")
-        entry.reason = reason
+        self._entries[group_id] = replace(entry, reason=reason)
 
     def requeue_after_shadow_restore(self, group_id: str) -> None:
         """READY -> IN_FLIGHT, only when a gated sampler's ready groups were not restored from TQ.
@@ -90,7 +91,10 @@ class PromptLedger:
         entry = self._entries[group_id]
         if entry.state is not PromptState.READY:
             raise InvariantViolation(f"group {group_id}: cannot requeue from {entry.state}")
-        entry.state = PromptState.IN_FLIGHT
+        self._entries[group_id] = replace(entry, state=PromptState.IN_FLIGHT)
+
+    def retarget(self, group_id: str, target_step: int | None) -> None:
+        self._entries[group_id] = replace(self._entries[group_id], target_step=target_step)
 
     def state_of(self, group_id: str) -> PromptState | None:
         entry = self._entries.get(group_id)
@@ -121,6 +125,13 @@ class PromptLedger:
 
     def entries(self) -> dict[str, LedgerEntry]:
         return self._entries
+
+    def copy(self) -> PromptLedger:
+        """An independent ledger at this instant: entries are immutable, so copying the maps is enough."""
+        ledger = PromptLedger()
+        ledger._entries = dict(self._entries)
+        ledger._pruned = Counter(self._pruned)
+        return ledger
 
     def to_document(self) -> LedgerDocument:
         return LedgerDocument(

@@ -114,3 +114,16 @@ def require_exact_inventory(expected: set[str], actual: set[str], where: str) ->
             f"{where}: replay index and TransferQueue disagree: {len(missing)} missing from TQ "
             f"(first: {missing[:10]}), {len(unexpected)} unexpected in TQ (first: {unexpected[:10]})"
         )
+
+
+def require_cut_inventory(cut: set[str], listed: set[str], uncut: set[str], where: str) -> None:
+    """Exact inventory of a cut whose TQ save overlapped mutations: TQ lists every row of the cut,
+    and every other row it lists is one of ``uncut`` (put after the cut, or a clear still owed)."""
+    missing = sorted(cut - listed)
+    unexplained = sorted(listed - cut - uncut)
+    if missing or unexplained:
+        raise InvariantViolation(
+            f"{where}: the cut and TransferQueue disagree: {len(missing)} rows of the cut missing from TQ "
+            f"(first: {missing[:10]}), {len(unexplained)} rows in TQ that are neither in the cut nor put "
+            f"after it (first: {unexplained[:10]})"
+        )

@@ -11,13 +11,15 @@ from __future__ import annotations
 
 import enum
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 import msgspec
 
 from scd.replay import GroupMeta
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
+# Versions this scd restores: 2 differs only in having no ``Sidecar.uncut_sample_ids``.
+READABLE_SCHEMA_VERSIONS = (2, 3)
 
 
 class CheckpointPhase(enum.StrEnum):
@@ -25,11 +27,13 @@ class CheckpointPhase(enum.StrEnum):
     BARRIER_WAIT = "barrier_wait"
     EXCLUSIVE_HOLD = "exclusive_hold"  # the whole hold: nothing subtracted
     MUTATIONS_BLOCKED = "mutations_blocked"  # how long the first mutation this checkpoint blocked waited
-    TQ_SAVE = "tq_save"
+    STATE_COPY = "state_copy"  # the trainer's weights and optimizer state copied to host memory
+    TRAIN_PUMP_BLOCKED = "train_pump_blocked"  # the train pump's wait for the cut, the copy excluded
+    TQ_SAVE = "tq_save"  # TQ's native snapshot, outside the hold, while mutations go on
     TQ_LIST = "tq_list"
     POLICY_WRITE = "policy_write"  # weights and optimizer state to files
     SIDECAR_WRITE = "sidecar_write"  # dataloader file and replay metadata sidecar
-    HASH = "hash"  # SHA-256 of every bundle file, TQ's snapshot included
+    HASH = "hash"  # the BLAKE3 digest of every bundle file, TQ's snapshot included
     FSYNC = "fsync"  # training_info written, the whole tree fsynced
     COMMIT = "commit"  # marker, rename, latest, retention
 
@@ -101,9 +105,10 @@ class TrainingInfo(_Document):
     time: float
     config_fingerprint: str
     config_fingerprint_fields: dict[str, Any]
-    files: dict[str, str]  # relative path -> SHA-256, every file but this one and the marker
+    files: dict[str, str]  # relative path -> digest, every file but this one and the marker
     sidecar_bytes: int
     data_plane_bytes: int
+    file_digest: Literal["blake3", "sha256"] = "sha256"  # schema 2 bundles: SHA-256
 
 
 class LedgerEntryRecord(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
@@ -134,6 +139,9 @@ class Sidecar(_Document):
     groups: list[GroupMeta]
     ledger: LedgerDocument
     sampler: SamplerDocument
+    # Rows TQ's snapshot may hold beyond the cut (put while the save ran); restore clears them.
+    # Schema 2 bundles were saved inside the hold and have none.
+    uncut_sample_ids: list[str] = []
 
 
 class DataloaderDocument(_Document):
@@ -164,8 +172,9 @@ def decode(path: Path, kind: type[D]) -> D:
         version = msgspec.json.decode(raw, type=_Version).schema_version
     except msgspec.DecodeError as exc:
         raise SchemaError(f"{path.name} is not valid JSON (truncated or corrupt): {exc}") from None
-    if version != SCHEMA_VERSION:
-        raise SchemaError(f"{path.name} has schema_version {version!r}; this scd reads {SCHEMA_VERSION}")
+    if version not in READABLE_SCHEMA_VERSIONS:
+        raise SchemaError(f"{path.name} has schema_version {version!r}; this scd reads "
+                          f"{', '.join(map(str, READABLE_SCHEMA_VERSIONS))}")
     try:
         return msgspec.json.decode(raw, type=kind)
     except msgspec.DecodeError as exc:

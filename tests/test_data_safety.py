@@ -196,7 +196,7 @@ async def test_save_with_tq_and_index_disagreeing_finalizes_nothing_and_is_an_in
         # A row the index names is missing from TQ.
         await dp.clear([victim])
         before = metric("scd_checkpoint_attempts_total", **labels)
-        with pytest.raises(InvariantViolation, match=r"1 missing from TQ") as missing:
+        with pytest.raises(InvariantViolation, match=r"1 rows of the cut missing from TQ") as missing:
             await checkpoint_now(controller)
         assert missing.value.exit_code == 3
         assert victim in str(missing.value)
@@ -208,7 +208,8 @@ async def test_save_with_tq_and_index_disagreeing_finalizes_nothing_and_is_an_in
         # The row is back, and an extra row TQ should not have is there.
         await dp.put_rows([victim], [a_rollout()])
         await dp.put_rows(["stray-group/0"], [a_rollout(1)])
-        with pytest.raises(InvariantViolation, match=r"1 unexpected in TQ") as extra:
+        with pytest.raises(InvariantViolation, match=r"1 rows in TQ that are neither in the cut nor put after it") \
+                as extra:
             await checkpoint_now(controller)
         assert extra.value.exit_code == 3
         assert "stray-group/0" in str(extra.value)
@@ -279,7 +280,7 @@ async def test_failed_put_whose_cleanup_clear_fails_too_raises_the_put_error_wit
             raise clear_error
 
         monkeypatch.setattr(dp, "put_rows", put_part_then_fail)
-        monkeypatch.setattr(dp, "clear", clear_fails)
+        monkeypatch.setattr(dp, "discard_failed_put", clear_fails)
         with pytest.raises(DataPlaneError) as info:
             await controller.commit(result)
         raised = info.value
@@ -513,14 +514,14 @@ async def test_admission_is_atomic_no_cut_shows_a_cursor_without_its_ledger_entr
         for cut in cuts:
             epoch, cursor = cut.dataloader.epoch, cut.dataloader.cursor
             per_epoch: dict[int, set[int]] = {}
-            for entry in cut.ledger.entries:
+            for entry in cut.ledger.entries().values():
                 per_epoch.setdefault(entry.epoch, set()).add(entry.prompt_id)
             ranks = state.order.ranks(epoch)
             expected = {pid for pid, rank in ranks.items() if rank < cursor}
             assert per_epoch.get(epoch, set()) == expected, (epoch, cursor)
             assert all(per_epoch.get(e) == set(range(n)) for e in range(epoch)), (epoch, cursor)
             assert max(per_epoch, default=0) <= epoch
-            assert len(cut.ledger.entries) == epoch * n + cursor
+            assert len(cut.ledger) == epoch * n + cursor
         last = cuts[-1].dataloader
         assert last.epoch * n + last.cursor == admitters * per_admitter
         assert state.in_flight == admitters * per_admitter

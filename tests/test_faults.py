@@ -17,9 +17,12 @@ CHECKPOINTS = "\n[checkpointing]\nenabled = true\ninterval_s = 0.5\nkeep_last = 
 FAULT_EXIT = 137
 
 # Point and passage: the second checkpoint of a process dies, so it has finalized one bundle first;
-# retention first deletes at the third bundle; restore points die at their first passage.
+# retention first deletes at the third bundle; restore points die at their first passage.  A
+# post-cut commit is a put while a TQ save runs: the third one dies, so the bundle restored next may
+# hold rows committed during its own save.
 CHAIN = [
-    "before_barrier:2", "in_exclusive_hold:2", "during_restore_tq_load:1", "after_tq_save:2",
+    "before_barrier:2", "in_exclusive_hold:2", "during_restore_tq_load:1", "post_cut_commit:3", "after_tq_save:2",
+    "during_deferred_clear:2",
     "mid_sidecar_write:2", "during_restore_index:1", "before_finalize_rename:2",
     "after_finalize_before_latest:2", "during_retention:1",
 ]

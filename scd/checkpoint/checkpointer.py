@@ -22,7 +22,15 @@ from anyio.abc import TaskStatus
 
 from scd.barrier import MutationKind
 from scd.checkpoint import layout
-from scd.checkpoint.save import BundleContext, PendingBundle, capture_cut, discard_tmp, failure_reason, write_bundle
+from scd.checkpoint.save import (
+    BundleContext,
+    PendingBundle,
+    capture_cut,
+    discard_tmp,
+    failure_reason,
+    save_data_plane,
+    write_bundle,
+)
 from scd.config import Config
 from scd.dataplane import DataPlane
 from scd.errors import InvariantViolation, ScdError
@@ -108,9 +116,10 @@ class Checkpointer:
         """Take a checkpoint at this train-step boundary, or record why not.
 
         The cut and the copy of the trainer's state happen here, while the train pump
-        waits; the writer writes.  With ``wait`` (the checkpoint before exit) this
-        returns the write's own outcome, waiting for a write in progress first;
-        otherwise SCHEDULED once the writer has the bundle.
+        waits; the writer saves TQ and writes, while everything else goes on.  With
+        ``wait`` (the checkpoint before exit) this returns the write's own outcome,
+        waiting for a write in progress first; otherwise SCHEDULED once the writer
+        has the bundle.
         """
         step = self._state.trainer_step
         if wait:
@@ -134,15 +143,27 @@ class Checkpointer:
             discard_tmp(tmp)
             self.root.mkdir(mode=layout.DIR_MODE, parents=True, exist_ok=True)
             tmp.mkdir(mode=layout.DIR_MODE)
-            cut = await capture_cut(self._state, self._dataplane, tmp, phases)
-            model, optimizer = self._trainer.state_copy()
+            cut, window = await capture_cut(self._state, self._dataplane, phases)
         except Exception as exc:
             await self._failed(tmp, trigger, exc, step)
             return Outcome.FAILED
         except BaseException:
             discard_tmp(tmp)
             raise
-        pending = PendingBundle(cut, model, optimizer, tmp, final, trigger, phases, started)
+        try:
+            copy_started = time.monotonic()
+            model, optimizer = self._trainer.state_copy()
+            phases[CheckpointPhase.STATE_COPY] = time.monotonic() - copy_started
+            phases[CheckpointPhase.TRAIN_PUMP_BLOCKED] = copy_started - started
+        except BaseException as exc:
+            with anyio.CancelScope(shield=True):
+                await self._dataplane.close_save_window()
+            if not isinstance(exc, Exception):
+                discard_tmp(tmp)
+                raise
+            await self._failed(tmp, trigger, exc, step)
+            return Outcome.FAILED
+        pending = PendingBundle(cut, window, model, optimizer, tmp, final, trigger, phases, started)
         self._idle = anyio.Event()
         await self._to_writer.send(pending)
         await self._record(Outcome.SCHEDULED, trigger.value, step)
@@ -172,6 +193,7 @@ class Checkpointer:
     async def _write_and_record(self, pending: PendingBundle) -> Outcome:
         step = pending.cut.step
         try:
+            await save_data_plane(pending, self._dataplane)
             sizes = await anyio.to_thread.run_sync(write_bundle, pending, self.keep_last, self._context)
         except Exception as exc:
             await self._failed(pending.tmp, pending.trigger, exc, step)

@@ -26,7 +26,7 @@ from scd.dataloader import DataloaderState, PromptOrder
 from scd.dataplane import DataPlane
 from scd.errors import InvariantViolation
 from scd.ledger import PromptLedger, PromptState
-from scd.replay import ReplayIndex, require_exact_inventory
+from scd.replay import ReplayIndex, require_cut_inventory, require_exact_inventory
 from scd.schema import RestorePhase
 from scd.state import ControllerState, Restored
 from scd.training.grpo import GRPOTrainer
@@ -42,6 +42,7 @@ class RestoreReport:
     groups_restored: int
     prompts_redispatched: int
     shadow: bool
+    uncut_rows_cleared: int  # rows put while the bundle's TQ save ran: in its snapshot, not in its cut
     phases: dict[str, float] = field(default_factory=dict)
 
 
@@ -105,6 +106,7 @@ def check_against_config(config: Config, state: ControllerState, verified: Verif
 async def restore_state(config: Config, state: ControllerState, dataplane: DataPlane, trainer: GRPOTrainer,
                         restore_from: Path | None, allow_config_change: bool) -> RestoreReport | None:
     phases: dict[str, float] = {}
+    uncut_cleared = 0
     started = clock = time.monotonic()
 
     def lap(phase: RestorePhase) -> None:
@@ -146,7 +148,7 @@ async def restore_state(config: Config, state: ControllerState, dataplane: DataP
             faults.hit("during_restore_index")
         if index.digest() != info.replay_digest:
             raise BundleError(bundle, "rebuilt replay index does not match the recorded digest")
-        require_exact_inventory(index.sample_ids(), await dataplane.list_ids(), f"restore of {bundle}")
+        uncut_cleared = await clear_uncut_rows(dataplane, index, set(sidecar.uncut_sample_ids), bundle)
     lap(RestorePhase.REPLAY_METADATA)
 
     state.install(Restored(
@@ -157,7 +159,27 @@ async def restore_state(config: Config, state: ControllerState, dataplane: DataP
     redispatched = len(state.ledger.in_state(PromptState.IN_FLIGHT))
     lap(RestorePhase.LEDGER)
     phases[RestorePhase.TOTAL] = time.monotonic() - started
-    return RestoreReport(bundle, info.step, info.time, len(state.replay), redispatched, shadow, phases)
+    return RestoreReport(bundle, info.step, info.time, len(state.replay), redispatched, shadow, uncut_cleared,
+                         phases)
+
+
+async def clear_uncut_rows(dataplane: DataPlane, index: ReplayIndex, uncut: set[str], bundle: Path) -> int:
+    """Exact inventory at restore: TQ ends up holding the cut's rows, no more and no fewer.
+
+    The snapshot was taken while commits went on, so it may hold rows put after the
+    cut; the bundle names each one that could be there, and they are cleared here
+    (their prompts are in flight in the cut's ledger and are generated again).  Any
+    other difference refuses the bundle.  Returns how many rows were cleared.
+    """
+    where = f"restore of {bundle}"
+    listed = await dataplane.list_ids()
+    require_cut_inventory(index.sample_ids(), listed, uncut, where)
+    extra = sorted(listed - index.sample_ids())
+    if extra:
+        log.info("restore of %s: clearing %d rows committed while its TQ save ran", bundle, len(extra))
+        await dataplane.clear(extra)
+        require_exact_inventory(index.sample_ids(), await dataplane.list_ids(), where)
+    return len(extra)
 
 
 async def load_into_clean_data_plane(dataplane: DataPlane, bundle: Path) -> None:

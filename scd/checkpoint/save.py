@@ -1,10 +1,11 @@
 """Saving a bundle: one cut under the exclusive barrier, then the writer.
 
 The cut (``capture_cut``) reads the controller state through
-``ControllerState.snapshot`` together with TQ's native snapshot and proves the
-exact inventory before the barrier is released.  Everything else (policy
-files, sidecar, training_info, digests, fsync, rename, ``latest``, retention)
-happens in ``write_bundle`` while training and generation go on.  A failure
+``ControllerState.snapshot`` and opens TQ's save window, and nothing more, so
+the exclusive hold is milliseconds.  The writer then takes TQ's native snapshot
+(``save_data_plane``, proving the cut's inventory) and writes everything else
+(policy files, sidecar, training_info, digests, fsync, rename, ``latest``,
+retention, in ``write_bundle``) while generation, commits and training go on.  A failure
 anywhere removes the ``.tmp`` directory and leaves every finalized bundle
 untouched.
 """
@@ -24,9 +25,9 @@ import torch
 
 from scd import faults
 from scd.checkpoint import layout
-from scd.dataplane import DataPlane
+from scd.dataplane import DataPlane, SaveWindow
 from scd.errors import DataPlaneError, InvariantViolation, ShortRead
-from scd.replay import require_exact_inventory
+from scd.replay import require_cut_inventory
 from scd.schema import (
     CheckpointPhase,
     DataloaderDocument,
@@ -69,6 +70,7 @@ class PendingBundle:
     """A cut and the trainer's state copied at it, on its way to the writer."""
 
     cut: Cut
+    window: SaveWindow
     model: dict[str, torch.Tensor]
     optimizer: dict[str, Any]
     tmp: Path
@@ -76,16 +78,17 @@ class PendingBundle:
     trigger: Trigger
     phases: dict[str, float] = field(default_factory=dict)
     started: float = 0.0
-    # Set by the writer: what became of it.
+    # Set by the writer: the rows TQ's snapshot may hold beyond the cut, and what became of the bundle.
+    uncut: list[str] = field(default_factory=list)
     done: anyio.Event = field(default_factory=anyio.Event)
     outcome: Outcome | None = None
 
 
-async def capture_cut(state: ControllerState, dataplane: DataPlane, tmp: Path, phases: dict[str, float]) -> Cut:
-    """One cut: the controller state and TQ's snapshot, together, with the exact inventory proven.
+async def capture_cut(state: ControllerState, dataplane: DataPlane, phases: dict[str, float]) -> tuple[Cut, SaveWindow]:
+    """One cut: the controller state read, and TQ's save window opened, under the exclusive barrier.
 
-    Under the exclusive barrier no mutation runs, so the TQ snapshot saved into
-    ``tmp/data_plane`` and the state read here describe the same rows.
+    Nothing else happens inside the hold (milliseconds at 10k groups); TQ saves in
+    ``save_data_plane``, outside it, while mutations go on.
     """
     faults.hit("before_barrier")
     wait_started = time.monotonic()
@@ -94,17 +97,38 @@ async def capture_cut(state: ControllerState, dataplane: DataPlane, tmp: Path, p
         faults.hit("in_exclusive_hold")
         phases[CheckpointPhase.BARRIER_WAIT] = held_from - wait_started
         cut = state.snapshot()
-        tq_started = time.monotonic()
-        await dataplane.save_snapshot(tmp / layout.DATA_PLANE_DIR)
-        phases[CheckpointPhase.TQ_SAVE] = time.monotonic() - tq_started
-        faults.hit("after_tq_save")
-        list_started = time.monotonic()
-        listed = await dataplane.list_ids()
-        phases[CheckpointPhase.TQ_LIST] = time.monotonic() - list_started
-        require_exact_inventory(state.replay.sample_ids(), listed, "checkpoint")
+        window = dataplane.open_save_window()
     phases[CheckpointPhase.EXCLUSIVE_HOLD] = time.monotonic() - held_from
     phases[CheckpointPhase.MUTATIONS_BLOCKED] = hold.mutations_blocked_s
-    return cut
+    return cut, window
+
+
+async def save_data_plane(pending: PendingBundle, dataplane: DataPlane) -> None:
+    """TQ's native snapshot of the cut, taken while commits, consumes and evictions go on.
+
+    Invariant (exact inventory of the cut, at save): right after the save, TQ lists
+    every row of the cut, and any other row it lists was put inside the save window.
+    With clears deferred for the whole window, every row of the cut was in TQ from
+    the cut until after the save, so the snapshot holds it; the rows put inside the
+    window are recorded in the bundle for restore to clear.  The window is closed
+    (its clears carried out) however the save ends.
+    """
+    phases, window = pending.phases, pending.window
+    try:
+        started = time.monotonic()
+        await dataplane.save_snapshot(pending.tmp / layout.DATA_PLANE_DIR)
+        phases[CheckpointPhase.TQ_SAVE] = time.monotonic() - started
+        pending.uncut = sorted(window.uncut)
+        faults.hit("after_tq_save")
+        started = time.monotonic()
+        listed = await dataplane.list_ids()
+        phases[CheckpointPhase.TQ_LIST] = time.monotonic() - started
+        require_cut_inventory({sid for g in pending.cut.groups for sid in g.sample_ids}, listed, window.uncut,
+                              "checkpoint")
+        faults.hit("during_deferred_clear")
+    finally:
+        with anyio.CancelScope(shield=True):
+            await dataplane.close_save_window()
 
 
 def _write_file(path: Path, data: bytes) -> None:
@@ -136,7 +160,8 @@ def write_bundle(pending: PendingBundle, keep_last: int, context: BundleContext)
                 encode(DataloaderDocument(seed=dl.seed, epoch=dl.epoch, cursor=dl.cursor), indent=True))
     # Compact: the sidecar grows with the buffer (training_info stays indented for people).
     sidecar = encode(Sidecar(
-        partition=context.partition, replay_digest=cut.replay_digest, groups=cut.groups, ledger=cut.ledger,
+        partition=context.partition, replay_digest=cut.replay_digest, groups=cut.groups,
+        ledger=cut.ledger.to_document(), uncut_sample_ids=pending.uncut,
         sampler=SamplerDocument(name=cut.sampler_name, state=cut.sampler_state,
                                 supports_replay_checkpoint=cut.supports_replay_checkpoint),
     ))
@@ -157,7 +182,7 @@ def write_bundle(pending: PendingBundle, keep_last: int, context: BundleContext)
         partition=context.partition, replay_digest=cut.replay_digest, groups=len(cut.groups),
         samples=sum(len(g.sample_ids) for g in cut.groups), capacity=context.capacity, time=cut.captured_at,
         config_fingerprint=context.fingerprint, config_fingerprint_fields=context.fingerprint_fields,
-        files=files, sidecar_bytes=len(sidecar), data_plane_bytes=data_plane_bytes,
+        files=files, file_digest=layout.FILE_DIGEST, sidecar_bytes=len(sidecar), data_plane_bytes=data_plane_bytes,
     ), indent=True))
     layout.fsync_tree(tmp)
     lap(CheckpointPhase.FSYNC)

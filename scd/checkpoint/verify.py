@@ -1,6 +1,6 @@
 """Offline verification of a bundle: everything that can be checked without loading TQ.
 
-``verify_bundle`` never unpickles anything: TQ's files are checked by SHA-256
+``verify_bundle`` never unpickles anything: TQ's files are checked by digest (BLAKE3)
 against ``training_info.json`` (recorded right after the live exact-inventory
 check), so a tampered ``data_plane/`` is rejected before TQ would load it.
 Every file decodes as its ``scd.schema`` struct, and every group is checked on
@@ -89,8 +89,9 @@ def verify_bundle(bundle: Path) -> VerifiedBundle:
     _require(any(name.startswith(layout.DATA_PLANE_DIR + "/") for name in info.files), bundle,
              f"holds no {layout.DATA_PLANE_DIR}/ (TQ's native snapshot)")
     for name, digest in info.files.items():
-        _require(layout.sha256_file(bundle / name) == digest, bundle,
-                 f"{name} does not match its SHA-256 in {layout.TRAINING_INFO_FILE} (corrupt or tampered)")
+        _require(layout.file_digest(bundle / name, info.file_digest) == digest, bundle,
+                 f"{name} does not match its {info.file_digest} digest in {layout.TRAINING_INFO_FILE} "
+                 "(corrupt or tampered)")
 
     try:
         sidecar = decode(bundle / layout.SIDECAR_FILE, Sidecar)

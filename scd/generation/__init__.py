@@ -1,4 +1,4 @@
-"""Generation backends: the embedded torch sampler and vLLM (imported only when configured)."""
+"""Generation backends: the embedded torch sampler, vLLM, and the synthetic load-testing engine."""
 
 from __future__ import annotations
 
@@ -13,6 +13,10 @@ async def open_backend(config: Config, policy: Policy) -> GenerationBackend:
         from scd.generation.vllm_backend import VLLMBackend
 
         return await VLLMBackend.open(config, policy)
+    if config.generation.backend == "synthetic":
+        from scd.generation.synthetic_backend import SyntheticBackend
+
+        return SyntheticBackend(config)
     import anyio
 
     from scd.generation.torch_backend import TorchBackend

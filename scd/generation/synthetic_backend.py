@@ -1,0 +1,84 @@
+"""A load-testing stand-in for a GPU engine: no model, completions at a set token rate.
+
+``generation.backend = "synthetic"`` produces complete groups of random tokens
+(drawn from each prompt's own token ids, so any policy can train on them) whose
+lengths are uniform in ``[min_completion_tokens, max_completion_tokens]``, at
+``tokens_per_s`` for the whole engine.  Benchmarks use it to ask what the
+controller costs an engine much faster than CPU training: any time the engine
+has no request to work on shows up as lost tokens.  Its rollouts teach the
+policy nothing.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from collections.abc import Sequence
+
+import anyio
+import torch
+
+from scd.config import Config
+from scd.generation.base import GroupRequest, GroupResult
+from scd.records import Completion, FinishReason
+from scd.telemetry import metrics
+
+
+class SyntheticBackend:
+    def __init__(self, config: Config) -> None:
+        synthetic = config.generation.synthetic
+        self.batch_groups = synthetic.batch_groups
+        self.max_concurrent_batches = synthetic.max_concurrent_batches
+        self._rate = synthetic.tokens_per_s
+        self._lengths = (synthetic.min_completion_tokens, synthetic.max_completion_tokens)
+        self._logprob = -math.log(max(2, synthetic.max_completion_tokens))
+        self._rng = random.Random(config.run.seed + 1)
+        self._version = 0
+        self._done_tokens = 0
+        # The engine works through its queue at a fixed rate: (start, end, tokens) of the work it holds.
+        self._busy_until = 0.0
+        self._in_progress: list[tuple[float, float, int]] = []
+
+    async def generate(self, requests: Sequence[GroupRequest]) -> list[GroupResult]:
+        version = self._version
+        results = []
+        tokens = 0
+        for req in requests:
+            body = req.prompt_ids[1:] or req.prompt_ids
+            completions = []
+            for _ in range(req.group_size):
+                n = self._rng.randint(*self._lengths)
+                completions.append(Completion(
+                    token_ids=[self._rng.choice(body) for _ in range(n)], logprobs=[self._logprob] * n,
+                    finish_reason=FinishReason.LENGTH, weight_version=version,
+                ))
+                tokens += n
+            results.append(GroupResult(req, completions, end_weight_version=version))
+        now = time.monotonic()
+        start = max(now, self._busy_until)
+        self._busy_until = start + tokens / self._rate
+        work = (start, self._busy_until, tokens)
+        self._in_progress.append(work)
+        await anyio.sleep(self._busy_until - now)
+        self._in_progress.remove(work)
+        self._done_tokens += tokens
+        metrics.generation_tokens.inc(tokens)
+        return results
+
+    def generated_tokens(self) -> int:
+        """Tokens finished, plus the share of queued work the engine has got through: a real engine
+        streams tokens, so the counter moves during a batch as it would there."""
+        now = time.monotonic()
+        partial = sum(n * min(1.0, max(0.0, (now - start) / (end - start)))
+                      for start, end, n in self._in_progress if end > start)
+        return self._done_tokens + int(partial)
+
+    async def update_weights(self, weights: dict[str, torch.Tensor], version: int) -> None:
+        self._version = version
+
+    async def abort_older_than(self, version: int) -> int:
+        return 0
+
+    async def aclose(self) -> None:
+        return None
