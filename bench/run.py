@@ -197,10 +197,10 @@ async def snapshot_and_restore(tmp: Path, groups: int = 10_000, tokens: int = 10
             bandwidths.append(disk_write_bandwidth(tmp))
         bundle = layout.finalized_bundles(Path(config.checkpointing.dir))[-1]
         legacy = tmp / "replay_buffer.pt"
-        ids = sorted(controller.state.replay.sample_ids())
-        data = await controller.dataplane.get_rows(ids)
-        torch.save({"sample_ids": ids, "input_ids": [row[0] for row in data],
-                    "logprobs": [row[1] for row in data]}, legacy)
+        keys = sorted(controller.state.replay.keys())
+        data = [row for rows in await controller.dataplane.get_groups(keys) for row in rows]
+        torch.save({"sample_ids": sorted(controller.state.replay.sample_ids()), "input_ids": [r[0] for r in data],
+                    "logprobs": [r[1] for r in data]}, legacy)
     snapshot_bytes = layout.dir_bytes(bundle / layout.DATA_PLANE_DIR)
     bundle_bytes = layout.dir_bytes(bundle)
     sidecar_bytes = (bundle / layout.SIDECAR_FILE).stat().st_size
@@ -367,13 +367,13 @@ class _NoDataPlane:
     partition = "none"
     data_ops = 0
 
-    async def put_rows(self, sample_ids: Any, rows: Any) -> None:
+    async def put_group(self, key: str, rows: Any) -> None:
         return None
 
-    async def clear(self, sample_ids: Any) -> None:
+    async def clear(self, keys: Any) -> None:
         return None
 
-    async def discard_failed_put(self, sample_ids: Any) -> None:
+    async def discard_failed_put(self, key: str) -> None:
         return None
 
 

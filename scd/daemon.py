@@ -168,7 +168,7 @@ class Controller:
             "restore", report.step, bundle=str(report.bundle), phases=report.phases,
             groups_restored=report.groups_restored, groups_evicted_stale=evicted,
             prompts_redispatched=report.prompts_redispatched, shadow=report.shadow,
-            uncut_rows_cleared=report.uncut_rows_cleared,
+            uncut_groups_cleared=report.uncut_groups_cleared,
         )
 
     # ---- observation -------------------------------------------------------------------------
@@ -338,28 +338,31 @@ class Controller:
                 finally:
                     self.awaiting_commit -= 1
 
-    async def wait_for_batch(self) -> list[GroupMeta]:
-        """Evict stale groups, then wait until the sampler hands out a full step (or shutdown)."""
+    async def select_batch(self) -> list[GroupMeta]:
+        """Evict stale groups, then the sampler's next step if one is ready now, else []."""
+        await self.evict_stale()
         state = self.state
+        return state.sampler.select(state.replay.groups(), state.weight_version, state.trainer_step)
+
+    async def wait_for_batch(self) -> list[GroupMeta]:
+        """Wait until the sampler hands out a full step (or shutdown, or a checkpoint falls due)."""
         while not self._shutdown.is_set() and self._checkpoint_due is None:
-            await self.evict_stale()
-            batch = state.sampler.select(state.replay.groups(), state.weight_version, state.trainer_step)
+            batch = await self.select_batch()
             if batch:
                 return batch
             await self._changed.wait()
         return []
 
-    async def train_step(self, batch: list[GroupMeta]) -> None:
+    async def read_batch(self, batch: list[GroupMeta]) -> list[list[Rollout]]:
         read_started = time.monotonic()
-        data = await self.dataplane.get_rows([sid for g in batch for sid in g.sample_ids])
+        stored = await self.dataplane.get_groups([g.group_id for g in batch])
         self._last_read_s = time.monotonic() - read_started
-        groups, at = [], 0
-        for group in batch:
-            rows = data[at:at + len(group.sample_ids)]
-            groups.append(rollouts_of(group, [ids for ids, _ in rows], [lp for _, lp in rows]))
-            at += len(rows)
-        # From here the step is applied whole or not at all: a drain deadline must not leave
-        # trained weights behind an unadvanced step counter.
+        return [rollouts_of(group, [ids for ids, _ in rows], [lp for _, lp in rows])
+                for group, rows in zip(batch, stored, strict=True)]
+
+    async def train_step(self, batch: list[GroupMeta], groups: list[list[Rollout]]) -> None:
+        # The step is applied whole or not at all: a drain deadline must not leave trained
+        # weights behind an unadvanced step counter.
         with anyio.CancelScope(shield=True):
             await self._apply_step(batch, groups)
 
@@ -409,10 +412,17 @@ class Controller:
         while self.state.trainer_step < max_steps and not self._shutdown.is_set():
             if self._checkpoint_due is not None and self.checkpointer is not None:
                 trigger, self._checkpoint_due = self._checkpoint_due, None
+                # The next step's rows are read before the cut: TQ's save, which a read would
+                # queue behind (a storage unit serves one request at a time), then runs while
+                # that step trains.  Its groups are ready in the cut and consumed after it.
+                batch = await self.select_batch()
+                groups = await self.read_batch(batch) if batch else []
                 await self.checkpointer.attempt(trigger)
-            batch = await self.wait_for_batch()
+            else:
+                batch = await self.wait_for_batch()
+                groups = await self.read_batch(batch) if batch else []
             if batch:
-                await self.train_step(batch)
+                await self.train_step(batch, groups)
 
     async def checkpoint_scheduler(self, triggers: Triggers) -> None:
         """Every ``interval_s``, or at once on request: a checkpoint falls due at the next step boundary."""

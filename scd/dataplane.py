@@ -4,14 +4,17 @@ Every call is bounded by ``data_plane.call_timeout_s`` (TQ's controller calls
 have none, so a dead TQ would hang the caller), and every read checks that each
 row asked for came back (``kv_batch_get`` silently drops missing keys).
 
-Each row is one ``bytes`` value (``encode_row``: two lengths, the int64 token
-ids, the float32 logprobs) in one field.  TQ's storage unit pickles its rows to
-save them, and a ``bytes`` value pickles at disk speed where a torch tensor
-costs ~100 µs in torch's storage reducer: at 80k rows the save took 18-21 s as
-jagged nested tensors and 0.7-1.3 s as bytes, the load 28 s and 0.3 s, and a
-put or get queued behind a save waits that long (bench/results, README).  A
-``bytes`` row owns its memory, so a clear frees it and a snapshot is about
-the size of its payload.
+One TQ key per group (its group id), holding one ``bytes`` value
+(``encode_group``: the sibling count, each sibling's token and logprob counts,
+then every int64 token id and every float32 logprob).  TQ's storage unit pickles
+its values to save them and its controller pickles a record per key: a
+``bytes`` value pickles at disk speed where a torch tensor costs ~100 µs in
+torch's storage reducer, and a key per group is 8x fewer records.  At 80k rows
+TQ's save took 15-22 s as per-row jagged tensors, 0.6-1.3 s as per-row bytes
+and ~0.1 s as per-group bytes; a put or get queued behind a save (a storage
+unit serves one request at a time) waits that much less.  A value owns its
+memory, so a clear frees it and a snapshot is about the size of its payload.
+Siblings stay addressable inside a group (``GroupMeta.sample_ids``).
 
 A TQ save runs outside the checkpoint's exclusive hold, inside a ``SaveWindow``:
 TQ saves its controller's metadata first and its storage units after, and a put
@@ -60,8 +63,8 @@ os.environ.setdefault("RAY_DISABLE_FAILURE_SIGNAL_HANDLER", "1")
 class SaveWindow:
     """What happened to TQ's rows while its save ran."""
 
-    # Keys that may be in TQ (and so in the snapshot) without being in the cut: every key put
-    # while the window was open, and clears still owed when it opened.
+    # Keys (group ids) that may be in TQ, and so in the snapshot, without being in the cut:
+    # every key put while the window was open, and clears still owed when it opened.
     uncut: set[str] = field(default_factory=set)
     deferred_clears: int = 0
     opened_at: float = field(default_factory=time.monotonic)
@@ -130,49 +133,50 @@ class DataPlane:
             raise
         self.last_call_timed_out = False
 
-    async def put_rows(self, sample_ids: Sequence[str], rows: Sequence[Rollout]) -> None:
+    async def put_group(self, key: str, rows: Sequence[Rollout]) -> None:
+        """Store one group's rows under its key (the group id)."""
         import transfer_queue as tq
+        from tensordict import NonTensorStack, TensorDict
 
-        fields = pack_rows(rows)
+        fields = TensorDict({GROUP_FIELD: NonTensorStack(encode_group(rows))}, batch_size=[1])
         if self._window is not None:
-            # Before the put: a put that fails half-way may still have listed its keys.
-            self._window.uncut.update(sample_ids)
-        # No TQ tags: per-row scalars live in the replay index, and tags would be shipped back
-        # with every key by kv_list, the inventory check inside the checkpoint's exclusive hold.
+            # Before the put: a put that fails half-way may still have listed its key.
+            self._window.uncut.add(key)
+        # No TQ tags: per-group scalars live in the replay index, and tags would be shipped back
+        # with every key by kv_list, the inventory check after every TQ save.
         await self._call("put", lambda: tq.async_kv_batch_put(
-            keys=list(sample_ids), partition_id=self.partition, fields=fields))
+            keys=[key], partition_id=self.partition, fields=fields))
         if self._window is not None:
             faults.hit("post_cut_commit")
 
-    async def get_rows(self, sample_ids: Sequence[str]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """(input_ids, logprobs) for ``sample_ids``, in that order; all of them or an error."""
+    async def get_groups(self, keys: Sequence[str]) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
+        """Each group's (input_ids, logprobs) rows, groups in the order of ``keys``; all of them or an error."""
         import transfer_queue as tq
 
-        data = await self._call("get", lambda: tq.async_kv_batch_get(
-            keys=list(sample_ids), partition_id=self.partition))
+        data = await self._call("get", lambda: tq.async_kv_batch_get(keys=list(keys), partition_id=self.partition))
         got = 0 if data is None else data.batch_size[0]
-        if got != len(sample_ids):
-            raise ShortRead(f"TransferQueue returned {got} of {len(sample_ids)} rows asked for "
-                                 f"(first asked: {list(sample_ids)[:3]})")
-        return [decode_row(raw) for raw in data.get(ROW_FIELD).tolist()]
+        if got != len(keys):
+            raise ShortRead(f"TransferQueue returned {got} of {len(keys)} groups asked for "
+                            f"(first asked: {list(keys)[:3]})")
+        return [decode_group(raw) for raw in data.get(GROUP_FIELD).tolist()]
 
-    async def clear(self, sample_ids: Sequence[str]) -> None:
-        """Clear consumed or evicted rows; deferred while a save window is open."""
-        self._owed_clears.extend(sample_ids)
+    async def clear(self, keys: Sequence[str]) -> None:
+        """Clear consumed or evicted groups; deferred while a save window is open."""
+        self._owed_clears.extend(keys)
         if self._window is not None:
-            self._window.deferred_clears += len(sample_ids)
+            self._window.deferred_clears += len(keys)
             return
         await self._clear_owed()
 
-    async def discard_failed_put(self, sample_ids: Sequence[str]) -> None:
+    async def discard_failed_put(self, key: str) -> None:
         """Clear what a failed put may have written, at once even inside a save window.
 
-        Those keys are put again when the group is regenerated; a deferred clear would
-        land after that put and delete the new rows.  They are in the window's ``uncut``.
+        The key is put again when the group is regenerated; a deferred clear would land
+        after that put and delete the new rows.  It is in the window's ``uncut``.
         """
         import transfer_queue as tq
 
-        await self._call("clear", lambda: tq.async_kv_clear(list(sample_ids), self.partition))
+        await self._call("clear", lambda: tq.async_kv_clear([key], self.partition))
 
     async def _clear_owed(self) -> None:
         import transfer_queue as tq
@@ -202,15 +206,15 @@ class DataPlane:
         self._window = None
         await self._clear_owed()
 
-    async def list_ids(self) -> set[str]:
-        """TQ's canonical inventory: every key in the partition."""
+    async def list_keys(self) -> set[str]:
+        """TQ's canonical inventory: every key (group id) in the partition."""
         import transfer_queue as tq
 
         listing = await self._call("list", lambda: tq.async_kv_list(self.partition))
         return set(listing.get(self.partition, {}))
 
     async def clear_all(self) -> None:
-        ids = await self.list_ids()
+        ids = await self.list_keys()
         if ids:
             await self.clear(sorted(ids))
 
@@ -225,31 +229,30 @@ class DataPlane:
         await self._blocking("load_checkpoint", lambda: tq.load_checkpoint(directory))
 
 
-ROW_FIELD = "row"
-_ROW_HEADER = struct.Struct("<qq")  # token count, logprob count
+GROUP_FIELD = "group"
+_COUNT = struct.Struct("<q")
 
 
-def encode_row(row: Rollout) -> bytes:
-    ids = row.input_ids.to(torch.int64).contiguous().numpy().astype("<i8", copy=False)
-    logprobs = row.logprobs.to(torch.float32).contiguous().numpy().astype("<f4", copy=False)
-    return _ROW_HEADER.pack(len(ids), len(logprobs)) + ids.tobytes() + logprobs.tobytes()
+def encode_group(rows: Sequence[Rollout]) -> bytes:
+    ids = [r.input_ids.to(torch.int64).contiguous().numpy().astype("<i8", copy=False) for r in rows]
+    logprobs = [r.logprobs.to(torch.float32).contiguous().numpy().astype("<f4", copy=False) for r in rows]
+    counts = np.array([len(rows), *map(len, ids), *map(len, logprobs)], dtype="<i8")
+    return b"".join([counts.tobytes(), *(a.tobytes() for a in ids), *(a.tobytes() for a in logprobs)])
 
 
-def decode_row(raw: bytes) -> tuple[torch.Tensor, torch.Tensor]:
-    """(input_ids, logprobs) of one stored row, in memory of their own."""
-    n_ids, n_logprobs = _ROW_HEADER.unpack_from(raw)
-    if len(raw) != _ROW_HEADER.size + 8 * n_ids + 4 * n_logprobs:
-        raise ShortRead(f"a TransferQueue row of {len(raw)} bytes does not hold {n_ids} token ids and "
-                        f"{n_logprobs} logprobs")
-    ids = np.frombuffer(raw, dtype="<i8", count=n_ids, offset=_ROW_HEADER.size)
-    logprobs = np.frombuffer(raw, dtype="<f4", count=n_logprobs, offset=_ROW_HEADER.size + 8 * n_ids)
-    return torch.from_numpy(ids.astype(np.int64)), torch.from_numpy(logprobs.astype(np.float32))
-
-
-def pack_rows(rows: Sequence[Rollout]) -> Any:
-    from tensordict import NonTensorStack, TensorDict
-
-    return TensorDict({ROW_FIELD: NonTensorStack(*[encode_row(r) for r in rows])}, batch_size=[len(rows)])
+def decode_group(raw: bytes) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """A stored group's (input_ids, logprobs) per sibling, in memory of their own."""
+    (n,) = _COUNT.unpack_from(raw)
+    counts = np.frombuffer(raw, dtype="<i8", count=2 * n, offset=_COUNT.size)
+    id_counts, logprob_counts = counts[:n].tolist(), counts[n:].tolist()
+    at = _COUNT.size * (1 + 2 * n)
+    if len(raw) != at + 8 * sum(id_counts) + 4 * sum(logprob_counts):
+        raise ShortRead(f"a TransferQueue group of {len(raw)} bytes does not hold the {n} siblings it declares")
+    ids = torch.from_numpy(np.frombuffer(raw, dtype="<i8", count=sum(id_counts), offset=at).astype(np.int64))
+    at += 8 * sum(id_counts)
+    logprobs = torch.from_numpy(
+        np.frombuffer(raw, dtype="<f4", count=sum(logprob_counts), offset=at).astype(np.float32))
+    return list(zip(ids.split(id_counts), logprobs.split(logprob_counts), strict=True))
 
 
 async def _bounded_thread(timeout_s: float, what: str, fn: Callable[[], T], swallow: bool = False) -> T | None:

@@ -1,8 +1,8 @@
 """The replay index: metadata of every ready group whose rows live in TQ.
 
 The index holds no tensors.  It is the controller's side of the exact-inventory
-invariant: the union of ``sample_ids`` over all groups must equal TQ's canonical
-partition, row for row.
+invariant: its group ids must equal TQ's canonical partition (one key per group),
+key for key.
 """
 
 from __future__ import annotations
@@ -97,6 +97,10 @@ class ReplayIndex:
         """The live set of every ready row's id; copy it to keep it past the next mutation."""
         return self._sample_ids
 
+    def keys(self) -> set[str]:
+        """TQ's keys for the ready groups (their group ids), as a new set."""
+        return set(self._groups)
+
     def digest(self) -> str:
         """SHA-256 over every group's metadata hash (of its canonical JSON), in group-id order."""
         h = hashlib.sha256()
@@ -106,24 +110,24 @@ class ReplayIndex:
 
 
 def require_exact_inventory(expected: set[str], actual: set[str], where: str) -> None:
-    """Exact inventory: TQ's canonical ids must equal the replay index's, no more and no fewer."""
+    """Exact inventory: TQ's canonical keys must equal the replay index's groups, no more and no fewer."""
     missing = sorted(expected - actual)
     unexpected = sorted(actual - expected)
     if missing or unexpected:
         raise InvariantViolation(
-            f"{where}: replay index and TransferQueue disagree: {len(missing)} missing from TQ "
+            f"{where}: replay index and TransferQueue disagree: {len(missing)} groups missing from TQ "
             f"(first: {missing[:10]}), {len(unexpected)} unexpected in TQ (first: {unexpected[:10]})"
         )
 
 
 def require_cut_inventory(cut: set[str], listed: set[str], uncut: set[str], where: str) -> None:
-    """Exact inventory of a cut whose TQ save overlapped mutations: TQ lists every row of the cut,
-    and every other row it lists is one of ``uncut`` (put after the cut, or a clear still owed)."""
+    """Exact inventory of a cut whose TQ save overlapped mutations: TQ lists every group of the cut,
+    and every other key it lists is one of ``uncut`` (put after the cut, or a clear still owed)."""
     missing = sorted(cut - listed)
     unexplained = sorted(listed - cut - uncut)
     if missing or unexplained:
         raise InvariantViolation(
-            f"{where}: the cut and TransferQueue disagree: {len(missing)} rows of the cut missing from TQ "
-            f"(first: {missing[:10]}), {len(unexplained)} rows in TQ that are neither in the cut nor put "
+            f"{where}: the cut and TransferQueue disagree: {len(missing)} groups of the cut missing from TQ "
+            f"(first: {missing[:10]}), {len(unexplained)} groups in TQ that are neither in the cut nor put "
             f"after it (first: {unexplained[:10]})"
         )

@@ -11,15 +11,14 @@ from __future__ import annotations
 
 import enum
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Any, TypeVar
 
 import msgspec
 
 from scd.replay import GroupMeta
 
 SCHEMA_VERSION = 3
-# Versions this scd restores: 2 differs only in having no ``Sidecar.uncut_sample_ids``.
-READABLE_SCHEMA_VERSIONS = (2, 3)
+# Schema 3: a TQ key per group (a value of bytes), BLAKE3 file digests, ``Sidecar.uncut_keys``.
 
 
 class CheckpointPhase(enum.StrEnum):
@@ -105,10 +104,9 @@ class TrainingInfo(_Document):
     time: float
     config_fingerprint: str
     config_fingerprint_fields: dict[str, Any]
-    files: dict[str, str]  # relative path -> digest, every file but this one and the marker
+    files: dict[str, str]  # relative path -> BLAKE3 digest, every file but this one and the marker
     sidecar_bytes: int
     data_plane_bytes: int
-    file_digest: Literal["blake3", "sha256"] = "sha256"  # schema 2 bundles: SHA-256
 
 
 class LedgerEntryRecord(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
@@ -139,9 +137,9 @@ class Sidecar(_Document):
     groups: list[GroupMeta]
     ledger: LedgerDocument
     sampler: SamplerDocument
-    # Rows TQ's snapshot may hold beyond the cut (put while the save ran); restore clears them.
-    # Schema 2 bundles were saved inside the hold and have none.
-    uncut_sample_ids: list[str] = []
+    # TQ keys (group ids) the snapshot may hold beyond the cut (put while the save ran); restore
+    # clears them.  Schema 2 bundles (a key per row, saved inside the hold) have none.
+    uncut_keys: list[str] = []
 
 
 class DataloaderDocument(_Document):
@@ -172,9 +170,13 @@ def decode(path: Path, kind: type[D]) -> D:
         version = msgspec.json.decode(raw, type=_Version).schema_version
     except msgspec.DecodeError as exc:
         raise SchemaError(f"{path.name} is not valid JSON (truncated or corrupt): {exc}") from None
-    if version not in READABLE_SCHEMA_VERSIONS:
-        raise SchemaError(f"{path.name} has schema_version {version!r}; this scd reads "
-                          f"{', '.join(map(str, READABLE_SCHEMA_VERSIONS))}")
+    if version == 2:
+        raise SchemaError(f"{path.name} has schema_version 2: its TQ snapshot stores a row per sample as "
+                          f"tensors, and this scd stores a group per key (schema {SCHEMA_VERSION}). Finish or "
+                          "restore that run with the scd that wrote it, or move its bundles out of "
+                          "checkpointing.dir to start empty")
+    if version != SCHEMA_VERSION:
+        raise SchemaError(f"{path.name} has schema_version {version!r}; this scd reads {SCHEMA_VERSION}")
     try:
         return msgspec.json.decode(raw, type=kind)
     except msgspec.DecodeError as exc:

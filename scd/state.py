@@ -34,13 +34,13 @@ from scd.samplers import Sampler
 
 
 class RowStore(Protocol):
-    """The data plane's writing side, as the state's mutations use it."""
+    """The data plane's writing side, as the state's mutations use it: one key per group, its id."""
 
-    async def put_rows(self, sample_ids: Sequence[str], rows: Sequence[Rollout]) -> None: ...
+    async def put_group(self, key: str, rows: Sequence[Rollout]) -> None: ...
 
-    async def clear(self, sample_ids: Sequence[str]) -> None: ...
+    async def clear(self, keys: Sequence[str]) -> None: ...
 
-    async def discard_failed_put(self, sample_ids: Sequence[str]) -> None: ...
+    async def discard_failed_put(self, key: str) -> None: ...
 
 
 @dataclass(slots=True)
@@ -138,11 +138,11 @@ class ControllerState:
             if state is not PromptState.IN_FLIGHT:
                 raise InvariantViolation(f"commit of group {group.group_id} whose ledger state is {state}")
             try:
-                await self._rows.put_rows(group.sample_ids, rows)
+                await self._rows.put_group(group.group_id, rows)
             except BaseException as put_error:
                 with anyio.CancelScope(shield=True):
                     try:
-                        await self._rows.discard_failed_put(group.sample_ids)
+                        await self._rows.discard_failed_put(group.group_id)
                     except Exception as clear_error:
                         put_error.add_note(f"clearing the rows it may have written failed too: {clear_error!r}")
                         raise put_error from clear_error
@@ -157,7 +157,7 @@ class ControllerState:
         for group in groups:
             if group.group_id not in self.replay:
                 raise InvariantViolation(f"{kind} of group {group.group_id} that is not in the replay index")
-        await self._rows.clear([sid for g in groups for sid in g.sample_ids])
+        await self._rows.clear([g.group_id for g in groups])
         for group in groups:
             self.replay.remove(group.group_id)
             self.ledger.advance(group.group_id, state, reason)

@@ -23,7 +23,7 @@ from prometheus_client import REGISTRY
 
 from scd.checkpoint import layout
 from scd.checkpoint.checkpointer import CheckpointFailed
-from scd.checkpoint.verify import verify_bundle
+from scd.checkpoint.verify import BundleError, verify_bundle
 from scd.config import DataPlaneConfig
 from scd.daemon import Controller, Triggers
 from scd.dataplane import DataPlane
@@ -47,9 +47,10 @@ async def clear_partition(partition: str = PARTITION) -> None:
     await DataPlane(DataPlaneConfig(partition=partition)).clear_all()
 
 
-async def read_rows(controller: Controller, ids: list[str]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    data = await controller.dataplane.get_rows(ids)
-    return dict(zip(ids, data, strict=True))
+async def read_rows(controller: Controller, keys: list[str]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Every row of the groups ``keys``, by sibling id."""
+    groups = await controller.dataplane.get_groups(keys)
+    return {f"{key}/{i}": row for key, rows in zip(keys, groups, strict=True) for i, row in enumerate(rows)}
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
@@ -63,8 +64,7 @@ async def golden(tq_session: None, tmp_path_factory: pytest.TempPathFactory) -> 
         await controller.run(max_steps=6)
         bundles = layout.finalized_bundles(root)
         sidecar = orjson.loads((bundles[-1] / layout.SIDECAR_FILE).read_bytes())
-        ids = sorted(sid for g in sidecar["groups"] for sid in g["sample_ids"])
-        rows = await read_rows(controller, ids)
+        rows = await read_rows(controller, sorted(g["group_id"] for g in sidecar["groups"]))
     await clear_partition()
     assert [layout.step_of(b) for b in bundles] == [3, 6]
     return {"root": root, "rows": rows, "groups": len(sidecar["groups"])}
@@ -125,7 +125,7 @@ async def test_restore_gives_back_every_row_tensor_for_tensor(golden: dict[str, 
         await controller.restore(allow_config_change=True)
         assert controller.state.trainer_step == 6
         assert controller.state.weight_version == 6
-        rows = await read_rows(controller, sorted(controller.state.replay.sample_ids()))
+        rows = await read_rows(controller, sorted(controller.state.replay.keys()))
         ready = controller.state.ledger.in_state(PromptState.READY)
         # Training goes on from the restored state: two more steps, then a final bundle.
         await controller.run(max_steps=8)
@@ -145,7 +145,7 @@ BROKEN: list[tuple[str, Callable[[Path], None], str]] = [
      "schema_version 99"),
     ("truncated sidecar",
      lambda b: (b / layout.SIDECAR_FILE).write_bytes((b / layout.SIDECAR_FILE).read_bytes()[:100]),
-     "does not match its blake3 digest"),
+     "does not match its BLAKE3 digest"),
     ("truncated and resealed sidecar",
      lambda b: ((b / layout.SIDECAR_FILE).write_bytes((b / layout.SIDECAR_FILE).read_bytes()[:100]), reseal(b)),
      "not valid JSON"),
@@ -247,8 +247,8 @@ def _invent_a_group(bundle: Path) -> None:
 
 
 @pytest.mark.parametrize(("breaker", "message"), [
-    (_drop_first_group, "8 rows in TQ that are neither in the cut nor put after it"),
-    (_invent_a_group, "8 rows of the cut missing from TQ"),
+    (_drop_first_group, "1 groups in TQ that are neither in the cut nor put after it"),
+    (_invent_a_group, "1 groups of the cut missing from TQ"),
 ], ids=["unexpected TQ rows", "missing TQ rows"])
 async def test_inventory_mismatch_with_tq_is_refused(golden: dict[str, Any], tmp_path: Path,
                                                      breaker: Callable[[Path], None], message: str) -> None:
@@ -262,24 +262,20 @@ async def test_inventory_mismatch_with_tq_is_refused(golden: dict[str, Any], tmp
     assert tree_digest(root) == before
 
 
-def test_a_schema_2_bundle_still_verifies(golden: dict[str, Any], tmp_path: Path) -> None:
-    """Bundles written before the TQ save left the hold: SHA-256 file digests, no uncut rows."""
+def test_a_schema_2_bundle_is_refused_with_what_to_do(golden: dict[str, Any], tmp_path: Path) -> None:
+    """Bundles of the scd before a TQ key per group: their snapshots hold per-row tensors."""
     root = copy_bundles(golden, tmp_path)
     bundle = newest(root)
-    for name in (layout.SIDECAR_FILE, layout.DATALOADER_FILE):
-        edit_json(bundle, name, lambda d: (d.update(schema_version=2), d.pop("uncut_sample_ids", None)), seal=False)
-    info = orjson.loads((bundle / layout.TRAINING_INFO_FILE).read_bytes())
-    del info["file_digest"]
-    info.update(schema_version=2, files=layout.bundle_files(bundle, "sha256"))
-    (bundle / layout.TRAINING_INFO_FILE).write_bytes(orjson.dumps(info))
+    edit_json(bundle, layout.TRAINING_INFO_FILE, lambda d: d.update(schema_version=2), seal=False)
     (bundle / layout.COMMIT_MARKER).write_text(layout.sha256_file(bundle / layout.TRAINING_INFO_FILE))
-    verified = verify_bundle(bundle)
-    assert verified.info.file_digest == "sha256" and verified.sidecar.uncut_sample_ids == []
+    with pytest.raises(BundleError, match="schema_version 2: its TQ snapshot stores a row per sample") as info:
+        verify_bundle(bundle)
+    assert "move its bundles out of checkpointing.dir" in str(info.value)
 
 
 async def test_rows_committed_during_the_tq_save_are_cleared_at_restore(golden: dict[str, Any],
                                                                         tmp_path: Path) -> None:
-    """A group committed while the save ran is in TQ's snapshot but not in the cut: restore clears its rows,
+    """A group committed while the save ran is in TQ's snapshot but not in the cut: restore clears it,
     and its prompt, in flight in the cut's ledger, is generated again."""
     root = copy_bundles(golden, tmp_path)
     bundle = newest(root)
@@ -290,8 +286,8 @@ async def test_rows_committed_during_the_tq_save_are_cleared_at_restore(golden: 
         for entry in sidecar["ledger"]["entries"]:
             if entry[0] == late["group_id"]:
                 entry[3] = "in_flight"
-        late["already_uncut"] = len(sidecar["uncut_sample_ids"])
-        sidecar["uncut_sample_ids"] = sorted({*sidecar["uncut_sample_ids"], *late["sample_ids"]})
+        late["already_uncut"] = len(sidecar["uncut_keys"])
+        sidecar["uncut_keys"] = sorted({*sidecar["uncut_keys"], late["group_id"]})
         set_digest(sidecar, bundle)
     edit_json(bundle, layout.SIDECAR_FILE, change)
 
@@ -303,9 +299,8 @@ async def test_rows_committed_during_the_tq_save_are_cleared_at_restore(golden: 
     assert len(controller.state.replay) == golden["groups"] - 1
     events = [orjson.loads(line) for line in Path(controller.config.telemetry.events_path).read_bytes().splitlines()]
     restore_event = [e for e in events if e["event"] == "restore"][-1]
-    # Its rows, and any the golden run itself committed while that save ran.
-    assert len(late["sample_ids"]) <= restore_event["uncut_rows_cleared"] <= (
-        len(late["sample_ids"]) + late["already_uncut"])
+    # Its group, and any the golden run itself committed while that save ran.
+    assert 1 <= restore_event["uncut_groups_cleared"] <= 1 + late["already_uncut"]
 
 
 @pytest.mark.parametrize(("sections", "message"), [

@@ -21,12 +21,12 @@ async def test_reward_rises_and_the_books_balance(tmp_path: Path, partition: str
     async with Controller.open(config) as controller:
         await controller.run(max_steps=steps)
         stats = controller.state.statistics()
-        tq_ids = await controller.dataplane.list_ids()
-        replay_ids = set(controller.state.replay.sample_ids())
+        tq_ids = await controller.dataplane.list_keys()
+        replay_ids = controller.state.replay.keys()
         ledger = controller.state.ledger
 
     assert stats.trainer_step == stats.weight_version == steps
-    # Exact inventory: TQ holds precisely the rows of the ready groups.
+    # Exact inventory: TQ holds precisely the ready groups.
     assert tq_ids == replay_ids
     counts = ledger.counts()
     assert counts["consumed"] == steps * config.trainer.groups_per_step

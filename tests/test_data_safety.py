@@ -64,8 +64,8 @@ def a_rollout(i: int = 0) -> Rollout:
 async def put_sentinel() -> DataPlane:
     """A row in a partition of its own: a TQ load (which replaces all TQ state) would remove it."""
     dp = dataplane_for(f"sentinel-{uuid.uuid4().hex[:8]}")
-    await dp.put_rows(["sentinel/0"], [a_rollout()])
-    assert await dp.list_ids() == {"sentinel/0"}
+    await dp.put_group("sentinel", [a_rollout()])
+    assert await dp.list_keys() == {"sentinel"}
     return dp
 
 
@@ -92,8 +92,9 @@ async def generated(controller: Controller, n: int) -> list[GroupResult]:
     return results
 
 
-def ids_of(result: GroupResult) -> set[str]:
-    return {f"{result.request.group_id}/{i}" for i in range(result.request.group_size)}
+def keys_of(result: GroupResult) -> set[str]:
+    """TQ's keys for a group: one, its group id."""
+    return {result.request.group_id}
 
 
 def metric(name: str, **labels: str) -> float:
@@ -190,13 +191,13 @@ async def test_save_with_tq_and_index_disagreeing_finalizes_nothing_and_is_an_in
         for result in results:
             await controller.commit(result)
         dp = controller.dataplane
-        assert await dp.list_ids() == ids_of(results[0]) | ids_of(results[1])
-        victim = sorted(ids_of(results[0]))[0]
+        assert await dp.list_keys() == keys_of(results[0]) | keys_of(results[1])
+        victim = results[0].request.group_id
 
         # A row the index names is missing from TQ.
         await dp.clear([victim])
         before = metric("scd_checkpoint_attempts_total", **labels)
-        with pytest.raises(InvariantViolation, match=r"1 rows of the cut missing from TQ") as missing:
+        with pytest.raises(InvariantViolation, match=r"1 groups of the cut missing from TQ") as missing:
             await checkpoint_now(controller)
         assert missing.value.exit_code == 3
         assert victim in str(missing.value)
@@ -206,18 +207,18 @@ async def test_save_with_tq_and_index_disagreeing_finalizes_nothing_and_is_an_in
         assert not controller.state.barrier.statistics().exclusive_active
 
         # The row is back, and an extra row TQ should not have is there.
-        await dp.put_rows([victim], [a_rollout()])
-        await dp.put_rows(["stray-group/0"], [a_rollout(1)])
-        with pytest.raises(InvariantViolation, match=r"1 rows in TQ that are neither in the cut nor put after it") \
+        await dp.put_group(victim, [a_rollout()])
+        await dp.put_group("stray-group", [a_rollout(1)])
+        with pytest.raises(InvariantViolation, match=r"1 groups in TQ that are neither in the cut nor put after it") \
                 as extra:
             await checkpoint_now(controller)
         assert extra.value.exit_code == 3
-        assert "stray-group/0" in str(extra.value)
+        assert "stray-group" in str(extra.value)
         assert not layout.finalized_bundles(root) and not layout.leftover_tmp_dirs(root)
         assert metric("scd_checkpoint_attempts_total", **labels) == before + 2
 
         # Control: with TQ and the index agreeing again, the same checkpoint is finalized.
-        await dp.clear(["stray-group/0"])
+        await dp.clear(["stray-group"])
         assert await checkpoint_now(controller) is Outcome.COMPLETED
         assert [b.name for b in layout.finalized_bundles(root)] == ["step_00000000"]
         assert verify_bundle(layout.step_dir(root, 0)).info.groups == 2
@@ -233,31 +234,31 @@ async def test_failed_put_during_commit_clears_its_rows_keeps_the_prompt_in_flig
         dp, state = controller.dataplane, controller.state
         (result,) = await generated(controller, 1)
         gid = result.request.group_id
-        real_put = dp.put_rows
+        real_put = dp.put_group
         injected = DataPlaneError("injected: TQ put failed after writing part of the group")
         written_before_failure: set[str] = set()
 
-        async def put_part_then_fail(sample_ids: Any, rows: Any) -> None:
-            await real_put(list(sample_ids)[:3], list(rows)[:3])  # TQ wrote some rows, then failed
-            written_before_failure.update(await dp.list_ids())
+        async def put_part_then_fail(key: str, rows: Any) -> None:
+            await real_put(key, list(rows)[:3])  # TQ wrote the key with part of the group, then failed
+            written_before_failure.update(await dp.list_keys())
             raise injected
 
-        monkeypatch.setattr(dp, "put_rows", put_part_then_fail)
+        monkeypatch.setattr(dp, "put_group", put_part_then_fail)
         in_flight, committed = state.in_flight, state.committed_groups
         with pytest.raises(DataPlaneError) as info:
             await controller.commit(result)
         assert info.value is injected
-        assert len(written_before_failure & ids_of(result)) == 3  # the cleanup had rows to clear
-        assert not (await dp.list_ids()) & ids_of(result)
+        assert written_before_failure & keys_of(result)  # the cleanup had a key to clear
+        assert not (await dp.list_keys()) & keys_of(result)
         assert state.ledger.state_of(gid) is PromptState.IN_FLIGHT
-        assert gid not in state.replay and not state.replay.sample_ids() & ids_of(result)
+        assert gid not in state.replay and not state.replay.keys() & keys_of(result)
         assert (state.in_flight, state.committed_groups) == (in_flight, committed)
         assert state.barrier.statistics().shared_active == 0
 
         # The prompt is still in flight, so the same group can be committed once TQ works again.
         monkeypatch.undo()
         await controller.commit(result)
-        assert await dp.list_ids() == ids_of(result)
+        assert await dp.list_keys() == keys_of(result)
         assert state.ledger.state_of(gid) is PromptState.READY
 
 
@@ -268,18 +269,18 @@ async def test_failed_put_whose_cleanup_clear_fails_too_raises_the_put_error_wit
     async with Controller.open(config_for(tmp_path / "checkpoints", partition)) as controller:
         dp, state = controller.dataplane, controller.state
         (result,) = await generated(controller, 1)
-        real_put = dp.put_rows
+        real_put = dp.put_group
         put_error = DataPlaneError("injected put failure (the original error)")
         clear_error = DataPlaneError("injected clear failure (during cleanup)")
 
-        async def put_part_then_fail(sample_ids: Any, rows: Any) -> None:
-            await real_put(list(sample_ids)[:2], list(rows)[:2])
+        async def put_part_then_fail(key: str, rows: Any) -> None:
+            await real_put(key, list(rows)[:2])
             raise put_error
 
-        async def clear_fails(sample_ids: Any) -> None:
+        async def clear_fails(key: str) -> None:
             raise clear_error
 
-        monkeypatch.setattr(dp, "put_rows", put_part_then_fail)
+        monkeypatch.setattr(dp, "put_group", put_part_then_fail)
         monkeypatch.setattr(dp, "discard_failed_put", clear_fails)
         with pytest.raises(DataPlaneError) as info:
             await controller.commit(result)
@@ -400,7 +401,7 @@ async def test_mutations_wait_for_a_live_cut_and_a_cut_waits_for_an_in_flight_pu
                 await anyio.sleep(0.5)
                 assert not admitted and not committed.is_set()
                 assert (state.order.state.cursor, len(state.ledger)) == (cursor, ledger_size)
-                assert not (await dp.list_ids()) & ids_of(first)  # the commit's put has not happened
+                assert not (await dp.list_keys()) & keys_of(first)  # the commit's put has not happened
                 assert state.barrier.statistics().exclusive_active
                 release.set()
                 await committed.wait()
@@ -408,24 +409,24 @@ async def test_mutations_wait_for_a_live_cut_and_a_cut_waits_for_an_in_flight_pu
         assert state.ledger.state_of(first.request.group_id) is PromptState.READY
 
         # (b) A put in flight: the cut is not taken until the put has returned and the commit is whole.
-        real_put = dp.put_rows
+        real_put = dp.put_group
         put_entered, let_put_go = anyio.Event(), anyio.Event()
         order: list[str] = []
 
-        async def slow_put(sample_ids: Any, rows: Any) -> None:
+        async def slow_put(key: str, rows: Any) -> None:
             put_entered.set()
             await let_put_go.wait()  # TQ is slow, then does the real put
-            await real_put(sample_ids, rows)
+            await real_put(key, rows)
             order.append("put returned")
 
-        monkeypatch.setattr(dp, "put_rows", slow_put)
+        monkeypatch.setattr(dp, "put_group", slow_put)
         seen_in_cut: dict[str, Any] = {}
 
         async def take_cut() -> None:
             async with state.barrier.exclusive():
                 order.append("exclusive acquired")
                 seen_in_cut["cut"] = state.snapshot()
-                seen_in_cut["tq"] = await dp.list_ids()
+                seen_in_cut["tq"] = await dp.list_keys()
 
         with anyio.fail_after(WAIT_S):
             async with anyio.create_task_group() as tg:
@@ -440,7 +441,7 @@ async def test_mutations_wait_for_a_live_cut_and_a_cut_waits_for_an_in_flight_pu
         assert order == ["put returned", "exclusive acquired"]
         cut = seen_in_cut["cut"]
         assert second.request.group_id in {g.group_id for g in cut.groups}
-        assert seen_in_cut["tq"] == ids_of(first) | ids_of(second) == state.replay.sample_ids()
+        assert seen_in_cut["tq"] == keys_of(first) | keys_of(second) == state.replay.keys()
 
 
 async def test_two_mutations_run_concurrently_outside_a_cut(
@@ -449,19 +450,19 @@ async def test_two_mutations_run_concurrently_outside_a_cut(
     async with Controller.open(config_for(tmp_path / "checkpoints", partition)) as controller:
         state, dp = controller.state, controller.dataplane
         results = await generated(controller, 2)
-        real_put = dp.put_rows
+        real_put = dp.put_group
         entered: list[str] = []
         both_inside, let_go = anyio.Event(), anyio.Event()
         shared_seen: list[int] = []
 
-        async def slow_put(sample_ids: Any, rows: Any) -> None:
-            entered.append(sample_ids[0])
+        async def slow_put(key: str, rows: Any) -> None:
+            entered.append(key)
             if len(entered) == 2:
                 both_inside.set()
             await let_go.wait()
-            await real_put(sample_ids, rows)
+            await real_put(key, rows)
 
-        monkeypatch.setattr(dp, "put_rows", slow_put)
+        monkeypatch.setattr(dp, "put_group", slow_put)
         with anyio.fail_after(WAIT_S):
             async with anyio.create_task_group() as tg:
                 for result in results:
@@ -472,7 +473,7 @@ async def test_two_mutations_run_concurrently_outside_a_cut(
         assert shared_seen == [2]
         assert state.barrier.statistics().shared_active == 0
         assert {r.request.group_id for r in results} <= {g.group_id for g in state.replay.groups()}
-        assert await dp.list_ids() == ids_of(results[0]) | ids_of(results[1])
+        assert await dp.list_keys() == keys_of(results[0]) | keys_of(results[1])
 
 
 # ---- 6. atomic admission ------------------------------------------------------------------------------------
@@ -539,29 +540,29 @@ async def test_restore_refuses_a_data_plane_that_served_operations_or_holds_rows
     sentinel = await put_sentinel()
 
     async with Controller.open(config) as controller:
-        assert await controller.dataplane.list_ids() == set()  # an ordinary data op before the restore
+        assert await controller.dataplane.list_keys() == set()  # an ordinary data op before the restore
         with pytest.raises(InvariantViolation, match="already served 1 operations"):
             await controller.restore()
         assert controller.state.trainer_step == 0 and len(controller.state.replay) == 0
-        assert await controller.dataplane.list_ids() == set()
-    assert await sentinel.list_ids() == {"sentinel/0"}  # TQ was not loaded
+        assert await controller.dataplane.list_keys() == set()
+    assert await sentinel.list_keys() == {"sentinel"}  # TQ was not loaded
 
     stray = dataplane_for(GOLDEN)
-    await stray.put_rows(["stray/0"], [a_rollout()])
+    await stray.put_group("stray", [a_rollout()])
     async with Controller.open(config) as controller:
         assert controller.dataplane.data_ops == 0
-        with pytest.raises(InvariantViolation, match="already holds 1 rows"):
+        with pytest.raises(InvariantViolation, match="already holds 1 groups"):
             await controller.restore()
         assert controller.state.trainer_step == 0 and len(controller.state.replay) == 0
-    assert await stray.list_ids() == {"stray/0"}
-    assert await sentinel.list_ids() == {"sentinel/0"}
+    assert await stray.list_keys() == {"stray"}
+    assert await sentinel.list_keys() == {"sentinel"}
     await clear_partition(GOLDEN)
 
 
 async def test_tq_load_replaces_all_tq_state(golden: dict[str, Any], tmp_path: Path) -> None:
     root = copy_bundles(golden, tmp_path)
     bundle = layout.finalized_bundles(root)[-1]
-    bundle_ids = {sid for g in verify_bundle(bundle).sidecar.groups for sid in g.sample_ids}
+    bundle_ids = {g.group_id for g in verify_bundle(bundle).sidecar.groups}
     await clear_partition(GOLDEN)
     sentinel = await put_sentinel()
     # A window wide enough that no restored group is evicted as stale (an eviction clears its rows).
@@ -570,8 +571,8 @@ async def test_tq_load_replaces_all_tq_state(golden: dict[str, Any], tmp_path: P
         await controller.restore(allow_config_change=True)
         assert controller.state.trainer_step == layout.step_of(bundle)
         assert len(controller.state.replay) == len(verify_bundle(bundle).sidecar.groups) > 0
-        assert await controller.dataplane.list_ids() == bundle_ids
-    assert await sentinel.list_ids() == set()  # put before the load, gone after it
+        assert await controller.dataplane.list_keys() == bundle_ids
+    assert await sentinel.list_keys() == set()  # put before the load, gone after it
     await clear_partition(GOLDEN)
 
 
@@ -606,8 +607,8 @@ async def test_incomplete_bundle_is_refused_before_tq_or_the_trainer_is_loaded(
         assert controller.dataplane.data_ops == 0
         assert controller.state.trainer_step == 0 and len(controller.state.ledger) == 0
         assert all(torch.equal(initial[k], v) for k, v in model_weights(controller).items())
-        assert await controller.dataplane.list_ids() == set()
-    assert await sentinel.list_ids() == {"sentinel/0"}  # a TQ load would have replaced it
+        assert await controller.dataplane.list_keys() == set()
+    assert await sentinel.list_keys() == {"sentinel"}  # a TQ load would have replaced it
     assert tree_digest(root) == before
 
 
@@ -716,7 +717,7 @@ async def test_checkpoint_of_an_empty_buffer_at_immediate_shutdown_verifies_and_
         await controller.restore()
         assert controller.state.trainer_step == 0 and len(controller.state.replay) == 0
         assert controller.checkpointer is not None and controller.checkpointer.last_completed_step == 0
-        assert await controller.dataplane.list_ids() == set()
+        assert await controller.dataplane.list_keys() == set()
         with anyio.fail_after(WAIT_S * 2):
             await controller.run(max_steps=1)  # and it trains on from there
         assert controller.state.trainer_step == 1
@@ -736,16 +737,16 @@ async def test_mutations_blocked_by_a_real_checkpoint_are_counted(
         checkpointer = controller.checkpointer
         assert checkpointer is not None
         first, second = await generated(controller, 2)
-        real_put = dp.put_rows
+        real_put = dp.put_group
         put_entered, let_put_go = anyio.Event(), anyio.Event()
 
-        async def first_put_slow(sample_ids: Any, rows: Any) -> None:
-            if sample_ids[0].startswith(first.request.group_id + "/"):
+        async def first_put_slow(key: str, rows: Any) -> None:
+            if key == first.request.group_id:
                 put_entered.set()
                 await let_put_go.wait()
-            await real_put(sample_ids, rows)
+            await real_put(key, rows)
 
-        monkeypatch.setattr(dp, "put_rows", first_put_slow)
+        monkeypatch.setattr(dp, "put_group", first_put_slow)
         blocked_before = {kind: metric("scd_checkpoint_blocked_mutations_total", kind=kind)
                           for kind in ("commit", "admit")}
         waits_before = metric("scd_checkpoint_mutation_wait_seconds_count")

@@ -27,7 +27,7 @@ def dir_bytes(path: Path) -> int:
 
 
 def storage_bytes_held() -> int:
-    """Bytes of row values the TQ storage actors keep referenced (each row is one ``bytes``)."""
+    """Bytes of values the TQ storage actors keep referenced (each group is one ``bytes``)."""
     import ray
     from transfer_queue import interface
 
@@ -40,27 +40,30 @@ def storage_bytes_held() -> int:
     return sum(ray.get([h.__ray_call__.remote(held) for h in handles]))
 
 
-async def test_variable_length_rows_round_trip(partition: str) -> None:
+async def test_variable_length_groups_round_trip(partition: str) -> None:
     dp = make_dataplane(partition)
-    # Completion lengths 0..4: an EOS-first completion is an empty logprob row.
-    # Two identical rows too: tensordict must not fold equal values into one.
-    rows = [rollout(i, completion=i) for i in range(5)] + [rollout(7, completion=3)] * 2
-    ids = [f"g0/{i}" for i in range(7)]
-    await dp.put_rows(ids, rows)
-    assert await dp.list_ids() == set(ids)
-    back = await dp.get_rows(list(reversed(ids)))
-    for (ids_row, logprobs_row), want in zip(back, reversed(rows), strict=True):
-        assert torch.equal(ids_row, want.input_ids)
-        assert torch.equal(logprobs_row, want.logprobs)
-    await dp.clear(ids[:2])
-    assert await dp.list_ids() == set(ids[2:])
+    # Completion lengths 0..4 (an EOS-first completion is an empty logprob row) and two identical
+    # siblings, in groups of different sizes.
+    groups = {"g0": [rollout(i, completion=i) for i in range(5)] + [rollout(7, completion=3)] * 2,
+              "g1": [rollout(9, completion=1)], "g2": [rollout(3, completion=2), rollout(4, completion=0)]}
+    for key, rows in groups.items():
+        await dp.put_group(key, rows)
+    assert await dp.list_keys() == set(groups)
+    order = ["g2", "g0", "g1"]
+    for key, back in zip(order, await dp.get_groups(order), strict=True):
+        assert len(back) == len(groups[key])
+        for (ids_row, logprobs_row), want in zip(back, groups[key], strict=True):
+            assert torch.equal(ids_row, want.input_ids)
+            assert torch.equal(logprobs_row, want.logprobs)
+    await dp.clear(["g0", "g1"])
+    assert await dp.list_keys() == {"g2"}
 
 
-async def test_missing_rows_are_an_error_not_a_short_read(partition: str) -> None:
+async def test_missing_groups_are_an_error_not_a_short_read(partition: str) -> None:
     dp = make_dataplane(partition)
-    await dp.put_rows(["g1/0"], [rollout(0, 4)])
-    with pytest.raises(DataPlaneError, match="1 of 2 rows"):
-        await dp.get_rows(["g1/0", "g1/1"])
+    await dp.put_group("g1", [rollout(0, 4)])
+    with pytest.raises(DataPlaneError, match="1 of 2 groups"):
+        await dp.get_groups(["g1", "g2"])
 
 
 async def test_snapshot_is_about_payload_and_clears_free_memory(partition: str, tmp_path: Path) -> None:
@@ -72,7 +75,7 @@ async def test_snapshot_is_about_payload_and_clears_free_memory(partition: str, 
     for g in range(groups):
         rows = [rollout(g * group_size + s, completion) for s in range(group_size)]
         payload += sum(r.input_ids.nbytes + r.logprobs.nbytes for r in rows)
-        await dp.put_rows([f"g{g}/{s}" for s in range(group_size)], rows)
+        await dp.put_group(f"g{g}", rows)
 
     held = storage_bytes_held() - before
     assert held < 1.1 * payload + 64 * 1024, (held, payload)
@@ -81,8 +84,8 @@ async def test_snapshot_is_about_payload_and_clears_free_memory(partition: str, 
     size = dir_bytes(tmp_path / "snap")
     assert size < 1.1 * payload + 256 * 1024, f"snapshot {size} bytes for {payload} bytes of rows"
 
-    # Clear every other sibling: each row owns its memory, so half of it is freed.
-    await dp.clear([f"g{g}/{s}" for g in range(groups) for s in range(0, group_size, 2)])
+    # Clear every other group: each value owns its memory, so half of it is freed.
+    await dp.clear([f"g{g}" for g in range(0, groups, 2)])
     after_clear = storage_bytes_held() - before
     assert after_clear < 0.55 * held + 64 * 1024, (after_clear, held)
     await dp.clear_all()

@@ -74,32 +74,33 @@ async def test_commits_go_on_during_the_tq_save_and_the_bundle_restores_to_exact
         barrier = controller.state.barrier.statistics()
         bundle = layout.finalized_bundles(Path(config.checkpointing.dir))[-1]
         sidecar = decode(bundle / layout.SIDECAR_FILE, Sidecar)
-        cut_ids = {sid for g in sidecar.groups for sid in g.sample_ids}
-        expected = dict(zip(sorted(cut_ids)[:200], await controller.dataplane.get_rows(sorted(cut_ids)[:200]),
-                            strict=True))
+        cut_keys = {g.group_id for g in sidecar.groups}
+        sample = sorted(cut_keys)[:50]
+        expected = dict(zip(sample, await controller.dataplane.get_groups(sample), strict=True))
 
     assert outcome is Outcome.COMPLETED
-    cut_groups = {g.group_id for g in sidecar.groups}
-    during = [gid for t, gid in committed if started < t < ended and gid not in cut_groups]
+    during = [gid for t, gid in committed if started < t < ended and gid not in cut_keys]
     assert len(during) >= 3, f"only {len(during)} commits landed after the cut while the checkpoint was taken"
     # Puts went on inside the TQ save window, and the bundle names every key they used.
-    assert sidecar.uncut_sample_ids
-    assert not cut_ids & set(sidecar.uncut_sample_ids)
+    assert sidecar.uncut_keys
+    assert not cut_keys & set(sidecar.uncut_keys)
     # No mutation waited on the barrier for more than the cut itself.
     assert max(barrier.max_wait_seconds.values(), default=0.0) < 0.5, barrier
 
     await DataPlane(DataPlaneConfig(partition=partition)).clear_all()
     async with Controller.open(config) as fresh:
         await fresh.restore()
-        assert set(fresh.state.replay.sample_ids()) == cut_ids
-        assert await fresh.dataplane.list_ids() == cut_ids
-        for sid, (ids, logprobs) in zip(expected, await fresh.dataplane.get_rows(list(expected)), strict=True):
-            assert torch.equal(ids, expected[sid][0]) and torch.equal(logprobs, expected[sid][1])
+        assert fresh.state.replay.keys() == cut_keys
+        assert await fresh.dataplane.list_keys() == cut_keys
+        for key, rows in zip(expected, await fresh.dataplane.get_groups(list(expected)), strict=True):
+            assert len(rows) == len(expected[key])
+            for (ids, logprobs), (want_ids, want_logprobs) in zip(rows, expected[key], strict=True):
+                assert torch.equal(ids, want_ids) and torch.equal(logprobs, want_logprobs)
         # A group of the stream is ready after restore exactly when the cut holds it; one committed
         # after the cut is in flight (admitted before it) or unknown (admitted after), and generated again.
         for _, group_id in committed:
             state = fresh.state.ledger.state_of(group_id)
-            if group_id in cut_groups:
+            if group_id in cut_keys:
                 assert state is PromptState.READY, (group_id, state)
             else:
                 assert state in (None, PromptState.IN_FLIGHT), (group_id, state)

@@ -154,7 +154,7 @@ async def test_an_aborted_group_is_never_committed_and_goes_back_to_dispatch(
         assert again.group_id == req.group_id
         entry = controller.state.ledger.entry(req.group_id)
         assert entry.state is PromptState.IN_FLIGHT and "stale" in entry.reason
-        assert len(controller.state.replay) == 0 and await controller.dataplane.list_ids() == set()
+        assert len(controller.state.replay) == 0 and await controller.dataplane.list_keys() == set()
 
 
 def ledger_accounts_for_every_admission(controller: Controller) -> None:
@@ -189,7 +189,7 @@ async def test_drain_and_aborts_commit_no_truncated_group_and_lose_no_prompt(
         # what was committed is whole.
         assert in_flight.isdisjoint(g.group_id for g in ready)
         assert all(len(g.sample_ids) == 8 and len(g.seq_lens) == 8 for g in ready)
-        assert await controller.dataplane.list_ids() == {sid for g in ready for sid in g.sample_ids}
+        assert await controller.dataplane.list_keys() == {g.group_id for g in ready}
         await controller.dataplane.clear_all()
     assert (REGISTRY.get_sample_value("scd_generation_groups_redispatched_total") or 0.0) > redispatched
 

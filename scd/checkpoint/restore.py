@@ -42,7 +42,7 @@ class RestoreReport:
     groups_restored: int
     prompts_redispatched: int
     shadow: bool
-    uncut_rows_cleared: int  # rows put while the bundle's TQ save ran: in its snapshot, not in its cut
+    uncut_groups_cleared: int  # groups put while the bundle's TQ save ran: in its snapshot, not in its cut
     phases: dict[str, float] = field(default_factory=dict)
 
 
@@ -148,7 +148,7 @@ async def restore_state(config: Config, state: ControllerState, dataplane: DataP
             faults.hit("during_restore_index")
         if index.digest() != info.replay_digest:
             raise BundleError(bundle, "rebuilt replay index does not match the recorded digest")
-        uncut_cleared = await clear_uncut_rows(dataplane, index, set(sidecar.uncut_sample_ids), bundle)
+        uncut_cleared = await clear_uncut_groups(dataplane, index, set(sidecar.uncut_keys), bundle)
     lap(RestorePhase.REPLAY_METADATA)
 
     state.install(Restored(
@@ -163,22 +163,22 @@ async def restore_state(config: Config, state: ControllerState, dataplane: DataP
                          phases)
 
 
-async def clear_uncut_rows(dataplane: DataPlane, index: ReplayIndex, uncut: set[str], bundle: Path) -> int:
-    """Exact inventory at restore: TQ ends up holding the cut's rows, no more and no fewer.
+async def clear_uncut_groups(dataplane: DataPlane, index: ReplayIndex, uncut: set[str], bundle: Path) -> int:
+    """Exact inventory at restore: TQ ends up holding the cut's groups, no more and no fewer.
 
-    The snapshot was taken while commits went on, so it may hold rows put after the
-    cut; the bundle names each one that could be there, and they are cleared here
+    The snapshot was taken while commits went on, so it may hold groups put after the
+    cut; the bundle names each key that could be there, and they are cleared here
     (their prompts are in flight in the cut's ledger and are generated again).  Any
-    other difference refuses the bundle.  Returns how many rows were cleared.
+    other difference refuses the bundle.  Returns how many groups were cleared.
     """
     where = f"restore of {bundle}"
-    listed = await dataplane.list_ids()
-    require_cut_inventory(index.sample_ids(), listed, uncut, where)
-    extra = sorted(listed - index.sample_ids())
+    listed = await dataplane.list_keys()
+    require_cut_inventory(index.keys(), listed, uncut, where)
+    extra = sorted(listed - index.keys())
     if extra:
-        log.info("restore of %s: clearing %d rows committed while its TQ save ran", bundle, len(extra))
+        log.info("restore of %s: clearing %d groups committed while its TQ save ran", bundle, len(extra))
         await dataplane.clear(extra)
-        require_exact_inventory(index.sample_ids(), await dataplane.list_ids(), where)
+        require_exact_inventory(index.keys(), await dataplane.list_keys(), where)
     return len(extra)
 
 
@@ -187,10 +187,10 @@ async def load_into_clean_data_plane(dataplane: DataPlane, bundle: Path) -> None
     if dataplane.data_ops:
         raise InvariantViolation(f"restore of {bundle}: the data plane already served {dataplane.data_ops} "
                                  "operations; TQ must be loaded before any data op")
-    present = await dataplane.list_ids()
+    present = await dataplane.list_keys()
     if present:
         raise InvariantViolation(f"restore of {bundle}: TQ partition {dataplane.partition!r} already holds "
-                                 f"{len(present)} rows; restore needs a clean data plane")
+                                 f"{len(present)} groups; restore needs a clean data plane")
     faults.hit("during_restore_tq_load")
     await dataplane.load_snapshot(bundle / layout.DATA_PLANE_DIR)
 

@@ -78,7 +78,7 @@ class PendingBundle:
     trigger: Trigger
     phases: dict[str, float] = field(default_factory=dict)
     started: float = 0.0
-    # Set by the writer: the rows TQ's snapshot may hold beyond the cut, and what became of the bundle.
+    # Set by the writer: the keys TQ's snapshot may hold beyond the cut, and what became of the bundle.
     uncut: list[str] = field(default_factory=list)
     done: anyio.Event = field(default_factory=anyio.Event)
     outcome: Outcome | None = None
@@ -107,9 +107,9 @@ async def save_data_plane(pending: PendingBundle, dataplane: DataPlane) -> None:
     """TQ's native snapshot of the cut, taken while commits, consumes and evictions go on.
 
     Invariant (exact inventory of the cut, at save): right after the save, TQ lists
-    every row of the cut, and any other row it lists was put inside the save window.
-    With clears deferred for the whole window, every row of the cut was in TQ from
-    the cut until after the save, so the snapshot holds it; the rows put inside the
+    every group of the cut, and any other key it lists was put inside the save window.
+    With clears deferred for the whole window, every group of the cut was in TQ from
+    the cut until after the save, so the snapshot holds it; the keys put inside the
     window are recorded in the bundle for restore to clear.  The window is closed
     (its clears carried out) however the save ends.
     """
@@ -121,10 +121,9 @@ async def save_data_plane(pending: PendingBundle, dataplane: DataPlane) -> None:
         pending.uncut = sorted(window.uncut)
         faults.hit("after_tq_save")
         started = time.monotonic()
-        listed = await dataplane.list_ids()
+        listed = await dataplane.list_keys()
         phases[CheckpointPhase.TQ_LIST] = time.monotonic() - started
-        require_cut_inventory({sid for g in pending.cut.groups for sid in g.sample_ids}, listed, window.uncut,
-                              "checkpoint")
+        require_cut_inventory({g.group_id for g in pending.cut.groups}, listed, window.uncut, "checkpoint")
         faults.hit("during_deferred_clear")
     finally:
         with anyio.CancelScope(shield=True):
@@ -161,7 +160,7 @@ def write_bundle(pending: PendingBundle, keep_last: int, context: BundleContext)
     # Compact: the sidecar grows with the buffer (training_info stays indented for people).
     sidecar = encode(Sidecar(
         partition=context.partition, replay_digest=cut.replay_digest, groups=cut.groups,
-        ledger=cut.ledger.to_document(), uncut_sample_ids=pending.uncut,
+        ledger=cut.ledger.to_document(), uncut_keys=pending.uncut,
         sampler=SamplerDocument(name=cut.sampler_name, state=cut.sampler_state,
                                 supports_replay_checkpoint=cut.supports_replay_checkpoint),
     ))
@@ -182,7 +181,7 @@ def write_bundle(pending: PendingBundle, keep_last: int, context: BundleContext)
         partition=context.partition, replay_digest=cut.replay_digest, groups=len(cut.groups),
         samples=sum(len(g.sample_ids) for g in cut.groups), capacity=context.capacity, time=cut.captured_at,
         config_fingerprint=context.fingerprint, config_fingerprint_fields=context.fingerprint_fields,
-        files=files, file_digest=layout.FILE_DIGEST, sidecar_bytes=len(sidecar), data_plane_bytes=data_plane_bytes,
+        files=files, sidecar_bytes=len(sidecar), data_plane_bytes=data_plane_bytes,
     ), indent=True))
     layout.fsync_tree(tmp)
     lap(CheckpointPhase.FSYNC)

@@ -89,9 +89,8 @@ def verify_bundle(bundle: Path) -> VerifiedBundle:
     _require(any(name.startswith(layout.DATA_PLANE_DIR + "/") for name in info.files), bundle,
              f"holds no {layout.DATA_PLANE_DIR}/ (TQ's native snapshot)")
     for name, digest in info.files.items():
-        _require(layout.file_digest(bundle / name, info.file_digest) == digest, bundle,
-                 f"{name} does not match its {info.file_digest} digest in {layout.TRAINING_INFO_FILE} "
-                 "(corrupt or tampered)")
+        _require(layout.file_digest(bundle / name) == digest, bundle,
+                 f"{name} does not match its BLAKE3 digest in {layout.TRAINING_INFO_FILE} (corrupt or tampered)")
 
     try:
         sidecar = decode(bundle / layout.SIDECAR_FILE, Sidecar)
