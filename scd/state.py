@@ -61,12 +61,12 @@ class Cut:
 
 @dataclass(slots=True)
 class Restored:
-    """What a verified bundle puts back; ``groups`` is empty when the sampler restores in shadow mode."""
+    """What a verified bundle puts back; ``index`` is empty when the sampler restores in shadow mode."""
 
     step: int
     weight_version: int
     dataloader: DataloaderState
-    groups: list[GroupMeta]
+    index: ReplayIndex
     ledger: PromptLedger
     sampler_state: dict[str, Any]
     shadow: bool
@@ -212,8 +212,7 @@ class ControllerState:
         self.weight_version = restored.weight_version
         self.order.restore(restored.dataloader.seed, restored.dataloader.epoch, restored.dataloader.cursor)
         self.ledger = restored.ledger
-        for group in restored.groups:
-            self.replay.add(group)
+        self.replay = restored.index
         if restored.shadow:
             self.sampler.load_state({"dispatched": self.trainer_step * self.sampler.groups_per_step})
             for group_id in self.ledger.in_state(PromptState.READY):

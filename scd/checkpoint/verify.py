@@ -35,6 +35,7 @@ class VerifiedBundle:
     sidecar: Sidecar
     dataloader: DataloaderDocument
     ledger: PromptLedger
+    index: ReplayIndex  # the sidecar's groups, checked one by one and against the recorded digest
 
 
 def legacy_replay_error(path: Path) -> BundleError:
@@ -117,7 +118,7 @@ def verify_bundle(bundle: Path) -> VerifiedBundle:
     _require(ready == {g.group_id for g in sidecar.groups}, bundle,
              "ledger's ready prompts and the sidecar's groups differ")
     _require(dataloader.epoch == info.epoch, bundle, "dataloader epoch differs from training_info")
-    return VerifiedBundle(bundle, info, sidecar, dataloader, ledger)
+    return VerifiedBundle(bundle, info, sidecar, dataloader, ledger, index)
 
 
 def newest_verifying(root: Path, below_step: int) -> Path | None:
