@@ -14,7 +14,7 @@ Layering, bottom to top (a module imports only from layers below it):
    barrier; TQ rows are written through a protocol handed in.
 3. Adapters to the outside world: ``dataplane`` (TransferQueue on Ray, every
    call bounded), ``training`` (the policy seam and GRPO), ``generation``
-   (torch or vLLM, serving that policy), ``telemetry`` (Prometheus, events),
+   (torch, vLLM or the synthetic load-testing engine), ``telemetry`` (Prometheus, events),
    ``systemd`` (sd_notify).
 4. ``checkpoint``: the bundle layout, save, restore and offline verify.  It
    works on the state, the data plane and the trainer, never the controller.
