@@ -417,7 +417,7 @@ async def main() -> None:
     import transfer_queue as tq
 
     RESULTS.mkdir(parents=True, exist_ok=True)
-    ray.init(num_cpus=3, include_dashboard=False, log_to_driver=False, _node_ip_address="127.0.0.1",
+    ray.init(address="local", num_cpus=3, include_dashboard=False, log_to_driver=False, _node_ip_address="127.0.0.2",
              logging_level=logging.WARNING)
     tq.init({"backend": {"SimpleStorage": {"num_data_storage_units": 1}}})
     summary: dict[str, float] = {}

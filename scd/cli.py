@@ -42,7 +42,10 @@ async def run_daemon(config: Config, args: argparse.Namespace) -> None:
         await tg.start(handle_signals, triggers, name="signals")
         async with Controller.open(config) as controller, anyio.create_task_group() as http:
             controller.metrics_port = await http.start(controller.serve_http, name="http")
-            await controller.events.emit("start", controller.state.trainer_step, pid=os.getpid())
+            placement = controller.dataplane.placement
+            await controller.events.emit("start", controller.state.trainer_step, pid=os.getpid(),
+                                         tq_controller_node=placement.controller,
+                                         tq_storage_unit_nodes=placement.storage_units)
             await controller.restore(args.restore_from, args.allow_config_change)
             if not triggers.shutdown.is_set():
                 await controller.run(triggers, args.max_steps)

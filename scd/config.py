@@ -37,6 +37,9 @@ class RayConfig(_Section):
 
 class DataPlaneConfig(_Section):
     storage_units: int = 1
+    # A Ray custom resource the nodes for TQ's storage units carry ("" = any node); TQ round-robins
+    # its units across the nodes that have it.
+    required_node_resource: str = ""
     partition: str = "rollouts"
     call_timeout_s: float = 60.0
     # Starting Ray and TQ's actors takes seconds to minutes; it gets its own bound.

@@ -132,6 +132,8 @@ class Controller:
         for prompt in prompts:
             policy.check_text(prompt.text + prompt.answer, f"prompt {prompt.prompt_id}")
         async with DataPlane.open(config.data_plane) as dataplane:
+            if config.checkpointing.enabled:
+                await dataplane.require_shared_directory(Path(config.checkpointing.dir), "checkpointing.dir")
             owned = backend is None
             serving = await open_backend(config, policy) if backend is None else backend
             try:

@@ -28,10 +28,12 @@ restore clears them.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import struct
 import time
+import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -44,7 +46,7 @@ import torch
 
 from scd import faults
 from scd.config import DataPlaneConfig
-from scd.errors import DataPlaneError, InvariantViolation, ShortRead
+from scd.errors import ConfigError, DataPlaneError, InvariantViolation, ShortRead
 from scd.records import Rollout
 
 log = logging.getLogger(__name__)
@@ -70,6 +72,33 @@ class SaveWindow:
     opened_at: float = field(default_factory=time.monotonic)
 
 
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """Where TQ's actors run: node IPs of its controller and of each storage unit."""
+
+    controller: str
+    storage_units: list[str]
+
+
+def check_layout(config: DataPlaneConfig, running: Any) -> Placement:
+    """The running TQ's storage layout must be the configured one; TQ itself ignores the config of a
+    process that attaches to it, so a mismatch would otherwise pass silently."""
+    storage = running.backend.SimpleStorage
+    units = int(storage.num_data_storage_units)
+    if units != config.storage_units:
+        raise ConfigError("data_plane.storage_units",
+                          f"the running TransferQueue has {units} storage unit(s); this config asks for "
+                          f"{config.storage_units}. Set it to {units} to attach, or start a new TQ")
+    resource = storage.get("required_node_resource") or ""
+    if resource != config.required_node_resource:
+        raise ConfigError("data_plane.required_node_resource",
+                          f"the running TransferQueue placed its storage units on nodes with "
+                          f"{resource or 'any resource'!r}; this config asks for "
+                          f"{config.required_node_resource or 'any node'!r}")
+    return Placement(controller=running.controller.zmq_info.ip,
+                     storage_units=sorted(info.ip for info in storage.zmq_info.values()))
+
+
 class DataPlane:
     def __init__(self, config: DataPlaneConfig) -> None:
         self.config = config
@@ -79,6 +108,7 @@ class DataPlane:
         self.last_call_timed_out = False
         self._window: SaveWindow | None = None
         self._owed_clears: list[str] = []  # deferred during a save, or left by a clear that failed
+        self.placement = Placement(controller="", storage_units=[])
 
     @classmethod
     @asynccontextmanager
@@ -94,18 +124,29 @@ class DataPlane:
                 await _bounded_thread(config.startup_timeout_s, "ray.init",
                                       lambda: ray.init(address=config.ray.address, log_to_driver=False))
             else:
-                # Loopback node IP keeps TQ's zmq sockets (pickled messages) off the network.
+                # A private instance: without address="local", ray.init joins any cluster this machine
+                # runs (`ray start`), which the empty data_plane.ray.address does not ask for.
+                # TQ's actors bind their zmq sockets (pickled messages) to Ray's node IP.  Ray rewrites
+                # 127.0.0.1 to the host's network address (so TQ listened on the network); 127.0.0.2
+                # is loopback and is kept as it is.
                 await _bounded_thread(config.startup_timeout_s, "ray.init", lambda: ray.init(
-                    num_cpus=config.ray.num_cpus, include_dashboard=False, log_to_driver=False,
-                    _node_ip_address="127.0.0.1", logging_level=logging.WARNING))
+                    address="local", num_cpus=config.ray.num_cpus, include_dashboard=False, log_to_driver=False,
+                    _node_ip_address="127.0.0.2", logging_level=logging.WARNING))
             started_ray = True
-        conf = {"backend": {"SimpleStorage": {"num_data_storage_units": config.storage_units}}}
+        conf = {"backend": {"SimpleStorage": {"num_data_storage_units": config.storage_units,
+                                              "required_node_resource": config.required_node_resource or None}}}
         attached_already = tq_interface._TQ_CLIENT is not None
         await _bounded_thread(config.startup_timeout_s, "tq.init", lambda: tq.init(conf))
         # tq.close() kills the controller even from a process that merely attached: close only ours.
         owns_tq = not attached_already and tq_interface._TQ_STORAGE is not None
         try:
-            yield cls(config)
+            running = await _bounded_thread(config.startup_timeout_s, "TQ's config", lambda: ray.get(
+                tq_interface._TQ_CONTROLLER.get_config.remote()))
+            dataplane = cls(config)
+            dataplane.placement = check_layout(config, running)
+            log.info("TransferQueue: controller on %s, storage units on %s", dataplane.placement.controller,
+                     ", ".join(dataplane.placement.storage_units))
+            yield dataplane
         finally:
             with anyio.CancelScope(shield=True):
                 if owns_tq:
@@ -121,17 +162,63 @@ class DataPlane:
         except TimeoutError:
             self.last_call_timed_out = True
             raise DataPlaneError(f"TransferQueue {what} timed out after {self.config.call_timeout_s}s; "
-                                 "is TQ (Ray) alive?") from None
+                                 f"is TQ (Ray) alive? {self._where()}") from None
         self.last_call_timed_out = False
         return result
 
     async def _blocking(self, what: str, fn: Callable[[], Any]) -> None:
         try:
             await _bounded_thread(self.config.call_timeout_s, what, fn)
-        except DataPlaneError:
+        except DataPlaneError as exc:
             self.last_call_timed_out = True
-            raise
+            raise DataPlaneError(f"{exc} {self._where()}") from None
         self.last_call_timed_out = False
+
+    async def _probe(self, directory: Path, ip: str, node_id: str) -> str:
+        """Why a file written into ``directory`` on node ``node_id`` is not seen here, or ""."""
+        import ray
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        probe, token = directory / f".scd-probe-{uuid.uuid4().hex}", uuid.uuid4().hex
+        task = _write_probe_task().options(scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False))
+        try:
+            await _bounded_thread(self.config.startup_timeout_s, f"the probe of {directory} on node {ip}",
+                                  lambda: ray.get(task.remote(str(probe), token)))
+        except ray.exceptions.RayTaskError as exc:
+            return f"writing a file there failed ({exc.cause!r})"
+        try:
+            seen = probe.read_text() if probe.exists() else None
+        finally:
+            probe.unlink(missing_ok=True)
+        return "" if seen == token else "a file written there is not visible here"
+
+    def _where(self) -> str:
+        return (f"(its controller runs on node {self.placement.controller}, its storage units on "
+                f"{', '.join(sorted(set(self.placement.storage_units)))})")
+
+    async def require_shared_directory(self, directory: Path, key: str) -> None:
+        """``directory`` must be the same storage on every node that hosts a storage unit.
+
+        TQ's save writes each unit's shard on that unit's node, into the bundle being
+        written here.  Proven, not assumed: a Ray task on each such node other than this
+        one writes a probe file there, which this process must read back.
+        """
+        import ray
+
+        here = ray.get_runtime_context().get_node_id()
+        node_of = {n["NodeManagerAddress"]: n["NodeID"] for n in ray.nodes() if n["Alive"]}
+        remote = sorted({ip for ip in self.placement.storage_units if node_of.get(ip) != here})
+        if not remote:
+            return
+        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        for ip in remote:
+            problem = await self._probe(directory, ip, node_of[ip])
+            if problem:
+                raise ConfigError(key, f"{directory} is not the same storage on node {ip}, which hosts a TQ "
+                                       f"storage unit: {problem}. TQ's save writes each unit's shard on its own "
+                                       f"node: mount {directory} from shared storage on every node that hosts "
+                                       "a storage unit")
+        log.info("checkpoint directory %s is shared with the storage nodes %s", directory, ", ".join(remote))
 
     async def put_group(self, key: str, rows: Sequence[Rollout]) -> None:
         """Store one group's rows under its key (the group id)."""
@@ -253,6 +340,20 @@ def decode_group(raw: bytes) -> list[tuple[torch.Tensor, torch.Tensor]]:
     logprobs = torch.from_numpy(
         np.frombuffer(raw, dtype="<f4", count=sum(logprob_counts), offset=at).astype(np.float32))
     return list(zip(ids.split(id_counts), logprobs.split(logprob_counts), strict=True))
+
+
+@functools.cache
+def _write_probe_task() -> Any:
+    import ray
+
+    @ray.remote(num_cpus=0)
+    def write_probe(path: str, token: str) -> None:
+        with open(path, "w") as f:
+            f.write(token)
+            f.flush()
+            os.fsync(f.fileno())
+
+    return write_probe
 
 
 async def _bounded_thread(timeout_s: float, what: str, fn: Callable[[], T], swallow: bool = False) -> T | None:

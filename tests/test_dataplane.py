@@ -9,7 +9,7 @@ import torch
 
 from scd.config import DataPlaneConfig
 from scd.dataplane import DataPlane
-from scd.errors import DataPlaneError
+from scd.errors import ConfigError, DataPlaneError
 from scd.records import Rollout
 
 
@@ -89,3 +89,20 @@ async def test_snapshot_is_about_payload_and_clears_free_memory(partition: str, 
     after_clear = storage_bytes_held() - before
     assert after_clear < 0.55 * held + 64 * 1024, (after_clear, held)
     await dp.clear_all()
+
+
+async def test_attaching_to_a_tq_of_another_layout_names_the_key_and_placement_is_on_loopback(
+    tq_session: None
+) -> None:
+    """TQ ignores the config of a process that attaches to it; scd does not."""
+    async with DataPlane.open(DataPlaneConfig(partition="attach")) as dp:
+        # The session's TQ: one storage unit, controller and unit on the embedded Ray's loopback node.
+        assert dp.placement.controller.startswith("127.")
+        assert len(dp.placement.storage_units) == 1 and dp.placement.storage_units[0].startswith("127.")
+    with pytest.raises(ConfigError, match=r"'data_plane\.storage_units': the running TransferQueue has 1") as info:
+        async with DataPlane.open(DataPlaneConfig(partition="attach", storage_units=2)):
+            pass
+    assert info.value.exit_code == 2
+    with pytest.raises(ConfigError, match=r"'data_plane\.required_node_resource'"):
+        async with DataPlane.open(DataPlaneConfig(partition="attach", required_node_resource="tq_storage")):
+            pass

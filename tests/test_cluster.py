@@ -1,0 +1,115 @@
+"""scd on a two-node Ray cluster on loopback: the head on 127.0.0.2, a worker on 127.0.0.3 carrying the
+custom resource TQ's storage units ask for.  The cluster is this module's (started and stopped here, its
+processes only); real `scd run` subprocesses join it.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+
+from scd.checkpoint import layout
+from scd.checkpoint.verify import verify_bundle
+from tests.conftest import TINY, ScdProcess, free_port
+
+STORAGE_RESOURCE = "tq_storage"
+WORKER_IP = "127.0.0.3"
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[Any]:
+    from ray.cluster_utils import Cluster
+
+    # Ray's test cluster advertises itself in <RAY_TMPDIR>/ray/ray_current_cluster, where a plain
+    # ray.init() anywhere on this machine would find and join it: keep that file private.
+    private = tempfile.mkdtemp(prefix="scd-ray-", dir="/tmp")
+    previous = os.environ.get("RAY_TMPDIR")
+    os.environ["RAY_TMPDIR"] = private
+    try:
+        started = Cluster(initialize_head=True, head_node_args={
+            "node_ip_address": "127.0.0.2", "num_cpus": 2, "include_dashboard": False})
+        started.worker = started.add_node(node_ip_address=WORKER_IP, num_cpus=2,
+                                          resources={STORAGE_RESOURCE: 4})
+        started.wait_for_nodes()
+        yield started
+        started.shutdown()
+    finally:
+        if previous is None:
+            del os.environ["RAY_TMPDIR"]
+        else:
+            os.environ["RAY_TMPDIR"] = previous
+        shutil.rmtree(private, ignore_errors=True)
+
+
+def cluster_config(directory: Path, address: str, max_steps: int = 100_000) -> Path:
+    text = TINY.format(max_steps=max_steps, out=directory / "out", port=free_port()).replace(
+        "[data_plane.ray]\nnum_cpus = 3",
+        f'[data_plane]\nstorage_units = 2\nrequired_node_resource = "{STORAGE_RESOURCE}"\ncall_timeout_s = 20\n'
+        f'[data_plane.ray]\naddress = "{address}"')
+    path = directory / "scd.toml"
+    path.write_text(text + "\n[checkpointing]\nenabled = true\ninterval_s = 1.0\nkeep_last = 2\n")
+    return path
+
+
+def start_events(directory: Path) -> list[dict[str, Any]]:
+    lines = (directory / "out" / "events.jsonl").read_bytes().splitlines()
+    return [e for e in map(orjson.loads, lines) if e["event"] == "start"]
+
+
+def run_until_a_bundle(cluster: Any, directory: Path, scd_processes: list[ScdProcess]) -> tuple[Path, ScdProcess]:
+    """A `scd run` that joined the cluster and has finalized a bundle; its config."""
+    config = cluster_config(directory, cluster.address)
+    process = ScdProcess(config)
+    scd_processes.append(process)
+    process.wait_for_line("checkpoint step_", timeout=180)
+    return config, process
+
+
+def test_scd_joins_the_cluster_checkpoints_and_a_new_scd_restores(
+    cluster: Any, tmp_path: Path, scd_processes: list[ScdProcess]
+) -> None:
+    config, first = run_until_a_bundle(cluster, tmp_path, scd_processes)
+    root = tmp_path / "out" / "checkpoints"
+    # Its storage units run on the worker node, its TQ controller beside it on the head.
+    (start,) = start_events(tmp_path)
+    assert start["tq_storage_unit_nodes"] == [WORKER_IP, WORKER_IP]
+    assert start["tq_controller_node"] == "127.0.0.2"
+    assert "is shared with the storage nodes 127.0.0.3" in first.output()
+    first.signal(signal.SIGKILL)
+    assert first.wait(timeout=30) == -signal.SIGKILL
+
+    newest = layout.finalized_bundles(root)[-1]
+    verify_bundle(newest)
+    k = layout.step_of(newest)
+    assert k is not None and k > 0
+    second = ScdProcess(config, "--max-steps", str(k + 2))
+    scd_processes.append(second)
+    assert second.wait(timeout=180) == 0, second.output()[-3000:]
+    # The restore passed its exact-inventory check against TQ's shards from the worker node.
+    assert f"restored {newest}: step {k}," in second.output()
+    assert layout.step_of(layout.finalized_bundles(root)[-1]) == k + 2
+    assert start_events(tmp_path)[-1]["tq_storage_unit_nodes"] == [WORKER_IP, WORKER_IP]
+
+
+def test_a_dead_storage_node_stops_scd_with_exit_1_naming_it(
+    cluster: Any, tmp_path: Path, scd_processes: list[ScdProcess]
+) -> None:
+    """Last in this module: it takes the worker node down."""
+    _, victim = run_until_a_bundle(cluster, tmp_path, scd_processes)
+    root = tmp_path / "out" / "checkpoints"
+    bundles = {b: layout.bundle_files(b) for b in layout.finalized_bundles(root)}
+    cluster.remove_node(cluster.worker, allow_graceful=False)  # this module's node: its processes only
+    assert victim.wait(timeout=120) == 1, victim.output()[-3000:]
+    out = victim.output()
+    assert "timed out" in out and WORKER_IP in out, out[-3000:]
+    for bundle, files in bundles.items():
+        assert layout.bundle_files(bundle) == files  # finalized bundles untouched
+        verify_bundle(bundle)
