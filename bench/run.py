@@ -12,6 +12,8 @@ import logging
 import os
 import platform
 import statistics
+import subprocess
+import sys
 import time
 from pathlib import Path
 from tempfile import TemporaryDirectory
@@ -412,6 +414,14 @@ async def vllm_cpu(tmp: Path, steps: int = 60) -> dict[str, float]:
     return {f"vllm_cpu_{key}": value for key, value in measured.items() if value is not None}
 
 
+def cluster_figures() -> dict[str, float]:
+    """bench/cluster.py in its own process: a driver joins one Ray cluster, and this one ran its own."""
+    with TemporaryDirectory() as tmp:
+        out = Path(tmp) / "cluster.json"
+        subprocess.run([sys.executable, "-m", "bench.cluster", str(out)], cwd=REPO, check=True, timeout=1800)
+        return orjson.loads(out.read_bytes())
+
+
 async def main() -> None:
     import ray
     import transfer_queue as tq
@@ -434,6 +444,9 @@ async def main() -> None:
     finally:
         tq.close()
         ray.shutdown()
+    started = time.monotonic()
+    summary |= cluster_figures()
+    print(f"[cluster: {time.monotonic() - started:.0f}s]", flush=True)
     meta = {"time": time.time(), "python": platform.python_version(), "machine": platform.machine(),
             "cpus": os.cpu_count(), "torch": torch.__version__}
     (RESULTS / "summary.json").write_bytes(orjson.dumps({**summary, "meta": meta}, option=orjson.OPT_INDENT_2))

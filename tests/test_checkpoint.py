@@ -39,6 +39,8 @@ CHECKPOINTING = {"enabled": True, "interval_s": 3600, "keep_last": 3}
 
 def config_for(root: Path, **sections: dict[str, object]) -> Any:
     sections["checkpointing"] = {**CHECKPOINTING, "dir": str(root), **sections.get("checkpointing", {})}
+    # Room above the golden run's 32: a test that adds a ready group to a bundle must not trip capacity.
+    sections["async_rl"] = {"buffer_capacity_groups": 64, **sections.get("async_rl", {})}
     sections.setdefault("trainer", {}).update({"groups_per_step": 8})
     return tiny_config(root.parent, PARTITION, **sections)
 
@@ -58,7 +60,7 @@ async def golden(tq_session: None, tmp_path_factory: pytest.TempPathFactory) -> 
     """Two finalized bundles (steps 3 and 6) from a real run, and the TQ rows at the last one."""
     root = tmp_path_factory.mktemp("golden") / "checkpoints"
     await clear_partition()
-    config = config_for(root)
+    config = config_for(root, async_rl={"buffer_capacity_groups": 32})
     async with Controller.open(config) as controller:
         await controller.run(max_steps=3)
         await controller.run(max_steps=6)
