@@ -167,12 +167,12 @@ def ledger_accounts_for_every_admission(controller: Controller) -> None:
 async def test_drain_and_aborts_commit_no_truncated_group_and_lose_no_prompt(
         engine: VLLMBackend, tiny_llama: Path, tmp_path: Path, partition: str) -> None:
     # Staleness 0: every weight sync aborts every request still running, so aborts really happen; a
-    # buffer far above what a step takes keeps the engine busy at every sync (with cheap commits, a
-    # buffer of 64 filled before the first sync and left nothing running to abort).
+    # buffer and a commit queue far above what a step takes keep the engine busy at every sync (a
+    # buffer of 64, or a full commit queue, can leave nothing running to abort).
     config = vllm_config(tiny_llama, tmp_path / "out", partition,
                          async_rl={"sampler": {"name": "windowed", "max_staleness_versions": 0},
                                    "buffer_capacity_groups": 512},
-                         generation={"max_new_tokens": 8, "max_inflight_prompts": 32})
+                         generation={"max_new_tokens": 8, "max_inflight_prompts": 32, "commit_queue_groups": 512})
     redispatched = REGISTRY.get_sample_value("scd_generation_groups_redispatched_total") or 0.0
     triggers = Triggers()
     async with Controller.open(config, backend=engine) as controller:
