@@ -68,8 +68,6 @@ class SaveWindow:
     # Keys (group ids) that may be in TQ, and so in the snapshot, without being in the cut:
     # every key put while the window was open, and clears still owed when it opened.
     uncut: set[str] = field(default_factory=set)
-    deferred_clears: int = 0
-    opened_at: float = field(default_factory=time.monotonic)
 
 
 @dataclass(frozen=True, slots=True)
@@ -250,10 +248,8 @@ class DataPlane:
     async def clear(self, keys: Sequence[str]) -> None:
         """Clear consumed or evicted groups; deferred while a save window is open."""
         self._owed_clears.extend(keys)
-        if self._window is not None:
-            self._window.deferred_clears += len(keys)
-            return
-        await self._clear_owed()
+        if self._window is None:
+            await self._clear_owed()
 
     async def discard_failed_put(self, key: str) -> None:
         """Clear what a failed put may have written, at once even inside a save window.
