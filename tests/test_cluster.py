@@ -8,8 +8,12 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import subprocess
+import sys
 import tempfile
+import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -49,10 +53,10 @@ def cluster() -> Iterator[Any]:
         shutil.rmtree(private, ignore_errors=True)
 
 
-def cluster_config(directory: Path, address: str, max_steps: int = 100_000) -> Path:
-    text = TINY.format(max_steps=max_steps, out=directory / "out", port=free_port()).replace(
+def cluster_config(directory: Path, address: str, resource: str = STORAGE_RESOURCE) -> Path:
+    text = TINY.format(max_steps=100_000, out=directory / "out", port=free_port()).replace(
         "[data_plane.ray]\nnum_cpus = 3",
-        f'[data_plane]\nstorage_units = 2\nrequired_node_resource = "{STORAGE_RESOURCE}"\ncall_timeout_s = 20\n'
+        f'[data_plane]\nstorage_units = 2\nrequired_node_resource = "{resource}"\ncall_timeout_s = 20\n'
         f'[data_plane.ray]\naddress = "{address}"')
     path = directory / "scd.toml"
     path.write_text(text + "\n[checkpointing]\nenabled = true\ninterval_s = 1.0\nkeep_last = 2\n")
@@ -97,6 +101,55 @@ def test_scd_joins_the_cluster_checkpoints_and_a_new_scd_restores(
     assert f"restored {newest}: step {k}," in second.output()
     assert layout.step_of(layout.finalized_bundles(root)[-1]) == k + 2
     assert start_events(tmp_path)[-1]["tq_storage_unit_nodes"] == [WORKER_IP, WORKER_IP]
+
+
+@contextmanager
+def node_seeing_other_storage(cluster: Any, ip: str, resource: str, path: Path, log: Path) -> Iterator[None]:
+    """A Ray node, joined to ``cluster``, on which ``path`` is other storage than here.
+
+    Its processes run in a mount namespace of their own with another directory mounted over
+    ``path``: the same name, a different disk, as with a node-local path on a real cluster.
+    Stopped by its process group, which this test started.
+    """
+    elsewhere = Path(tempfile.mkdtemp(prefix="scd-node-local-", dir="/tmp"))
+    path.mkdir(parents=True, exist_ok=True)
+    start = ('mount --bind "$1" "$2" && exec "$3" start --block --address="$4" --node-ip-address="$5" '
+             '--num-cpus=2 --resources="$6"')
+    with log.open("wb") as out:
+        node = subprocess.Popen(
+            ["unshare", "--mount", "--propagation", "private", "sh", "-c", start, "sh", str(elsewhere), str(path),
+             str(Path(sys.executable).parent / "ray"), cluster.address, ip,
+             orjson.dumps({resource: 2}).decode()],
+            stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not any(n["Alive"] and n["NodeManagerAddress"] == ip for n in cluster.global_state.node_table()):
+            assert node.poll() is None and time.monotonic() < deadline, log.read_text(errors="replace")[-3000:]
+            time.sleep(0.5)
+        yield
+    finally:
+        os.killpg(node.pid, signal.SIGTERM)
+        try:
+            node.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(node.pid, signal.SIGKILL)
+            node.wait()
+        shutil.rmtree(elsewhere, ignore_errors=True)
+
+
+def test_a_checkpoint_dir_the_storage_node_does_not_share_is_refused_with_exit_2(
+    cluster: Any, tmp_path: Path, scd_processes: list[ScdProcess]
+) -> None:
+    ip, resource = "127.0.0.4", "tq_storage_node_local"
+    config = cluster_config(tmp_path, cluster.address, resource)
+    with node_seeing_other_storage(cluster, ip, resource, tmp_path / "out" / "checkpoints", tmp_path / "node.log"):
+        process = ScdProcess(config)
+        scd_processes.append(process)
+        assert process.wait(timeout=180) == 2, process.output()[-3000:]
+    out = process.output()
+    assert "checkpointing.dir" in out and f"is not the same storage on node {ip}" in out, out[-3000:]
+    assert "mount" in out and "from shared storage on every node" in out
+    assert not layout.finalized_bundles(tmp_path / "out" / "checkpoints")
 
 
 def test_a_dead_storage_node_stops_scd_with_exit_1_naming_it(
