@@ -32,6 +32,7 @@ class MutationKind(enum.StrEnum):
     CONSUME = "consume"
     EVICT = "evict"
     REDISPATCH = "redispatch"
+    STAGE = "stage"  # a finished sibling staged in TQ, or a stale staged one dropped
 
 
 @dataclass(slots=True)

@@ -4,10 +4,11 @@ Tasks (each named for what it does):
 
 * ``rollout_pump``    admits prompts (capacity, sampler gate) and hands them to generation
 * ``generation_pump`` batches admitted prompts into backend calls; finished groups go to the
-  committer, aborted ones back to generation
-* ``committer``       scores a group, puts its rows into TQ and records it in the replay index;
-  generation never waits for it (a TQ save can hold puts for seconds): finished groups queue,
-  bounded by the buffer capacity
+  committer, aborted ones back to generation for their missing siblings only
+* ``committer``       stages each sibling that finishes before its group, scores a finished group,
+  puts its rows into TQ and records it in the replay index, in the order generation reported
+  them; generation never waits for it (a TQ save can hold puts for seconds): finished groups
+  queue, bounded by the buffer capacity
 * ``train_pump``      (the host task) selects groups, trains, syncs weights; takes due checkpoints
 * ``checkpoint_scheduler`` turns the interval and SIGUSR1 into a checkpoint due at the next step
   boundary; ``checkpoint_writer`` writes bundles, one at a time
@@ -28,7 +29,7 @@ import math
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import anyio
@@ -44,7 +45,8 @@ from scd.dataplane import DataPlane
 from scd.errors import InvariantViolation
 from scd.generation import open_backend
 from scd.generation.base import GenerationBackend, GroupRequest, GroupResult
-from scd.records import Rollout
+from scd.ledger import PromptState, StagedSiblings, staged_key
+from scd.records import COMPLETE, Completion, Rollout
 from scd.replay import GroupMeta, rollouts_of, sample_ids_for
 from scd.samplers import build_sampler
 from scd.schema import RestorePhase, Trigger
@@ -76,6 +78,28 @@ class Triggers:
         self.checkpoint_now.set()
 
 
+@dataclass(frozen=True, slots=True)
+class SiblingFinished:
+    """A sibling finished while others of its group still run: the committer stages it."""
+
+    request: GroupRequest
+    index: int
+    completion: Completion
+
+
+@dataclass(frozen=True, slots=True)
+class SiblingsStale:
+    """Finished siblings of an aborted group that fell out of the staleness window: unstage them."""
+
+    group_id: str
+    siblings: StagedSiblings
+
+
+# A finished group is a GroupResult asking for every sibling, its completions gathered across
+# attempts (and a restored cut) by sibling index.
+CommitItem = SiblingFinished | SiblingsStale | GroupResult
+
+
 def _observe_blocked_mutation(kind: MutationKind, waited_s: float) -> None:
     metrics.checkpoint_blocked_mutations.labels(kind.value).inc()
     metrics.checkpoint_mutation_wait.observe(waited_s)
@@ -105,6 +129,9 @@ class Controller:
         # Finished groups queued for the committer: still in flight in the ledger (a crash
         # generates them again), but no longer taking a generation slot.
         self.awaiting_commit = 0
+        # Finished siblings of in-flight groups, by group id and sibling index: the next attempt
+        # at a group generates only the others.  Staged ones are also in TQ and the ledger.
+        self._finished: dict[str, dict[int, Completion]] = {}
         self.metrics_port: int | None = None
         self.ready = False
         self._last_stall = (0.0, 0.0)  # (monotonic time, seconds late) of the worst recent probe
@@ -156,6 +183,10 @@ class Controller:
         if self.checkpointer is not None:
             self.checkpointer.restored_from(report.step, report.bundle_time)
         evicted = await self.evict_stale()
+        reused, rerun = await self.reuse_staged_siblings()
+        rerun += report.staged_siblings_not_loaded
+        metrics.recovery_siblings_reused.inc(reused)
+        metrics.recovery_siblings_rerun.inc(rerun)
         await self.backend.update_weights(self.trainer.weights(), self.state.weight_version)
         for phase, seconds in report.phases.items():
             metrics.restore_phase.labels(phase).observe(seconds)
@@ -163,15 +194,36 @@ class Controller:
         metrics.recovery_groups_evicted_stale.set(evicted)
         metrics.recovery_prompts_redispatched.set(report.prompts_redispatched)
         self._publish_gauges()
-        log.info("restored %s: step %d, %d groups ready, %d evicted stale, %d prompts to redispatch%s (%.2fs)",
+        log.info("restored %s: step %d, %d groups ready, %d evicted stale, %d prompts to redispatch, "
+                 "%d finished siblings reused, %d to generate again%s (%.2fs)",
                  report.bundle, report.step, report.groups_restored, evicted, report.prompts_redispatched,
-                 " [shadow: replay index not restored]" if report.shadow else "", report.phases[RestorePhase.TOTAL])
+                 reused, rerun, " [shadow: replay index not restored]" if report.shadow else "",
+                 report.phases[RestorePhase.TOTAL])
         await self.events.emit(
             "restore", report.step, bundle=str(report.bundle), phases=report.phases,
             groups_restored=report.groups_restored, groups_evicted_stale=evicted,
             prompts_redispatched=report.prompts_redispatched, shadow=report.shadow,
-            uncut_groups_cleared=report.uncut_groups_cleared,
+            uncut_groups_cleared=report.uncut_groups_cleared, siblings_reused=reused, siblings_rerun=rerun,
         )
+
+    async def reuse_staged_siblings(self) -> tuple[int, int]:
+        """The restored cut's staged siblings: those within the staleness window are read back and
+        not generated again; older ones are unstaged, to be generated again.  Returns (reused, rerun)."""
+        state = self.state
+        oldest = state.weight_version - state.sampler.max_staleness_versions
+        reusable: list[tuple[str, int, int]] = []
+        rerun = 0
+        for group_id in state.ledger.in_state(PromptState.IN_FLIGHT):
+            staged = state.ledger.entry(group_id).staged
+            stale = tuple((index, version) for index, version in staged if version < oldest)
+            if stale:
+                await state.unstage_siblings(group_id, stale)
+                rerun += len(stale)
+            reusable.extend((group_id, index, version) for index, version in staged if version >= oldest)
+        read = await self.dataplane.get_siblings([staged_key(*sibling) for sibling in reusable])
+        for (group_id, index, version), (token_ids, logprobs, finish) in zip(reusable, read, strict=True):
+            self._finished.setdefault(group_id, {})[index] = Completion(token_ids, logprobs, finish, version)
+        return len(reusable), rerun
 
     # ---- observation -------------------------------------------------------------------------
 
@@ -210,21 +262,63 @@ class Controller:
     # ---- requests and results ----------------------------------------------------------------
 
     def _request(self, group_id: str) -> GroupRequest:
+        """The group's siblings that are not finished yet (all of them for a new prompt)."""
         entry = self.state.ledger.entry(group_id)
         prompt_ids, max_tokens = self._encoded[entry.prompt_id]
-        return GroupRequest(group_id, entry.epoch, entry.prompt_id, prompt_ids,
-                            self.config.generation.group_size, max_tokens, entry.target_step, time.time())
+        finished = self._finished.get(group_id, {})
+        missing = tuple(i for i in range(self.config.generation.group_size) if i not in finished)
+        return GroupRequest(group_id, entry.epoch, entry.prompt_id, prompt_ids, missing, max_tokens,
+                            entry.target_step, time.time())
 
     async def admit(self) -> GroupRequest:
         return self._request(await self.state.admit())
 
-    async def redispatch_aborted(self, result: GroupResult) -> GroupRequest:
-        """A group generation gave back incomplete goes to generation again; the ledger keeps why."""
-        reason = result.incomplete_reason()
-        await self.state.note_redispatch(result.request.group_id, reason)
+    def on_sibling(self, request: GroupRequest, index: int, completion: Completion,
+                   to_commit: MemoryObjectSendStream[CommitItem]) -> None:
+        """A backend reports a finished sibling; while others of its group run, it is worth staging."""
+        finished = self._finished.setdefault(request.group_id, {})
+        finished[index] = completion
+        if len(finished) < self.config.generation.group_size:
+            to_commit.send_nowait(SiblingFinished(request, index, completion))
+
+    async def gather(self, result: GroupResult, to_commit: MemoryObjectSendStream[CommitItem]) -> bool:
+        """Record a request's complete siblings; a group with all of them goes to the committer.
+
+        Returns whether it did; otherwise the group needs another attempt.
+        """
+        request = result.request
+        finished = self._finished.setdefault(request.group_id, {})
+        for index, completion in zip(request.siblings, result.completions, strict=False):
+            if completion.finish_reason in COMPLETE:
+                finished.setdefault(index, completion)
+        group_size = self.config.generation.group_size
+        if len(finished) < group_size:
+            return False
+        del self._finished[request.group_id]
+        # Generation is done with it: its slot goes to the next prompt, even while commits wait on a TQ save.
+        self.awaiting_commit += 1
+        self._notify()
+        await to_commit.send(GroupResult(replace(request, siblings=tuple(range(group_size))),
+                                         [finished[i] for i in range(group_size)], result.end_weight_version))
+        return True
+
+    async def redispatch_aborted(self, result: GroupResult,
+                                 to_commit: MemoryObjectSendStream[CommitItem]) -> GroupRequest:
+        """A group generation gave back incomplete goes to generation again for its missing siblings;
+        finished ones older than the staleness window are dropped (and unstaged) first.  The ledger
+        keeps why."""
+        group_id, reason = result.request.group_id, result.incomplete_reason()
+        finished = self._finished.get(group_id, {})
+        oldest = self.state.weight_version - self.state.sampler.max_staleness_versions
+        stale = tuple((i, c.weight_version) for i, c in sorted(finished.items()) if c.weight_version < oldest)
+        for index, _ in stale:
+            del finished[index]
+        if stale:
+            to_commit.send_nowait(SiblingsStale(group_id, stale))
+        await self.state.note_redispatch(group_id, reason)
         metrics.groups_redispatched.inc()
-        log.info("group %s back to generation: %s", result.request.group_id, reason)
-        return self._request(result.request.group_id)
+        log.info("group %s back to generation: %s (%d finished siblings kept)", group_id, reason, len(finished))
+        return self._request(group_id)
 
     def _scored(self, result: GroupResult) -> list[Rollout]:
         """The task scores each sibling's decoded text: the one place a completion is judged."""
@@ -242,18 +336,33 @@ class Controller:
             for c, row_ids, row_logprobs in zip(completions, id_rows, logprob_rows, strict=True)
         ]
 
+    async def stage(self, item: SiblingFinished) -> None:
+        """Stage a finished sibling, unless its group has since completed or dropped it."""
+        group_id = item.request.group_id
+        if self._finished.get(group_id, {}).get(item.index) is not item.completion:
+            return
+        await self.state.stage_sibling(group_id, item.index, item.completion)
+        metrics.siblings_staged.inc()
+
+    async def unstage_stale(self, item: SiblingsStale) -> None:
+        staged = set(self.state.ledger.entry(item.group_id).staged)
+        await self.state.unstage_siblings(item.group_id, tuple(s for s in item.siblings if s in staged))
+
     async def commit(self, result: GroupResult) -> None:
         """Score a finished group and commit it.  Only a complete group is committed (enforced here):
         exactly ``group_size`` siblings, none truncated or aborted."""
         req = result.request
         incomplete = result.incomplete_reason()
+        if req.siblings != tuple(range(self.config.generation.group_size)):
+            incomplete = f"siblings {list(req.siblings)} of {self.config.generation.group_size}"
         if incomplete:
             raise InvariantViolation(f"commit of incomplete group {req.group_id}: {incomplete}")
         rollouts = self._scored(result)
         group = GroupMeta(
             group_id=req.group_id, epoch=req.epoch, prompt_id=req.prompt_id,
             sample_ids=sample_ids_for(req.group_id, len(rollouts)),
-            start_weight_version=result.start_weight_version, end_weight_version=result.end_weight_version,
+            start_weight_version=min(c.weight_version for c in result.completions),
+            end_weight_version=result.end_weight_version,
             prompt_len=len(req.prompt_ids), seq_lens=tuple(r.input_ids.shape[0] for r in rollouts),
             rewards=tuple(r.reward for r in rollouts), weight_versions=tuple(r.weight_version for r in rollouts),
             target_step=req.target_step, admitted_at=req.admitted_at, committed_at=time.time(),
@@ -299,25 +408,23 @@ class Controller:
                 await to_generation.send(await self.admit())
 
     async def generation_pump(
-        self, requests: MemoryObjectReceiveStream[GroupRequest], to_commit: MemoryObjectSendStream[GroupResult]
+        self, requests: MemoryObjectReceiveStream[GroupRequest], to_commit: MemoryObjectSendStream[CommitItem]
     ) -> None:
         limiter = anyio.CapacityLimiter(self.backend.max_concurrent_batches)
+
+        def on_sibling(request: GroupRequest, index: int, completion: Completion) -> None:
+            self.on_sibling(request, index, completion, to_commit)
 
         async def run_batch(batch: list[GroupRequest]) -> None:
             async with limiter:
                 started = time.time()
                 for req in batch:
                     metrics.group_admission_latency.observe(started - req.admitted_at)
-                results = await self.backend.generate(batch)
+                results = await self.backend.generate(batch, on_sibling)
             for result in results:
-                if not result.incomplete_reason():
-                    # Generation is done with it: its slot goes to the next prompt, even while
-                    # commits wait on a TQ save.
-                    self.awaiting_commit += 1
-                    self._notify()
-                    await to_commit.send(result)
-                elif not self._shutdown.is_set():
-                    tg.start_soon(run_batch, [await self.redispatch_aborted(result)], name="generate_batch")
+                if not await self.gather(result, to_commit) and not self._shutdown.is_set():
+                    tg.start_soon(run_batch, [await self.redispatch_aborted(result, to_commit)],
+                                  name="generate_batch")
 
         async with requests, to_commit, anyio.create_task_group() as tg:
             async for first in requests:
@@ -332,13 +439,19 @@ class Controller:
                 limiter.release()
                 tg.start_soon(run_batch, batch, name="generate_batch")
 
-    async def committer(self, results: MemoryObjectReceiveStream[GroupResult]) -> None:
-        async with results:
-            async for result in results:
-                try:
-                    await self.commit(result)
-                finally:
-                    self.awaiting_commit -= 1
+    async def committer(self, items: MemoryObjectReceiveStream[CommitItem]) -> None:
+        """One stream, in generation's order: a sibling is staged before its group commits or is unstaged."""
+        async with items:
+            async for item in items:
+                if isinstance(item, SiblingFinished):
+                    await self.stage(item)
+                elif isinstance(item, SiblingsStale):
+                    await self.unstage_stale(item)
+                else:
+                    try:
+                        await self.commit(item)
+                    finally:
+                        self.awaiting_commit -= 1
 
     async def select_batch(self) -> list[GroupMeta]:
         """Evict stale groups, then the sampler's next step if one is ready now, else []."""
@@ -458,7 +571,7 @@ class Controller:
         telemetry = self.config.telemetry
         to_generation, generation_in = anyio.create_memory_object_stream[GroupRequest](
             self.config.generation.max_inflight_prompts)
-        to_commit, commit_in = anyio.create_memory_object_stream[GroupResult](math.inf)
+        to_commit, commit_in = anyio.create_memory_object_stream[CommitItem](math.inf)
         async with anyio.create_task_group() as tg:
             tg.start_soon(self.rollout_pump, to_generation, name="rollout_pump")
             tg.start_soon(self.generation_pump, generation_in, to_commit, name="generation_pump")

@@ -16,6 +16,15 @@ unit serves one request at a time) waits that much less.  A value owns its
 memory, so a clear frees it and a snapshot is about the size of its payload.
 Siblings stay addressable inside a group (``GroupMeta.sample_ids``).
 
+A sibling that finishes while others of its group still run is staged in a
+partition of its own (``<partition>.staging``) under ``staged_key`` (group id,
+sibling index, weight version; ``encode_sibling``), so a crash keeps it.  TQ
+0.1.11 cannot move a value between keys or partitions, so when its group
+completes the group's value is written whole (a second copy of the staged
+siblings' bytes) and the staged keys are cleared.  Keys of both partitions are
+disjoint by form (a staged key has a ``/``), so one inventory, one save window
+and one list of owed clears cover both.
+
 A TQ save runs outside the checkpoint's exclusive hold, inside a ``SaveWindow``:
 TQ saves its controller's metadata first and its storage units after, and a put
 writes the units first and the controller after.  So a put racing the save
@@ -47,7 +56,7 @@ import torch
 from scd import faults
 from scd.config import DataPlaneConfig
 from scd.errors import ConfigError, DataPlaneError, InvariantViolation, ShortRead
-from scd.records import Rollout
+from scd.records import Completion, FinishReason, Rollout
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -101,6 +110,7 @@ class DataPlane:
     def __init__(self, config: DataPlaneConfig) -> None:
         self.config = config
         self.partition = config.partition
+        self.staging = f"{config.partition}.staging"
         self.data_ops = 0  # restore refuses to load into a data plane that has served any
         # What /healthz reports: did TQ fail to answer the last call within call_timeout_s?
         self.last_call_timed_out = False
@@ -220,33 +230,51 @@ class DataPlane:
 
     async def put_group(self, key: str, rows: Sequence[Rollout]) -> None:
         """Store one group's rows under its key (the group id)."""
+        await self._put_value(key, self.partition, encode_group(rows))
+
+    async def get_groups(self, keys: Sequence[str]) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
+        """Each group's (input_ids, logprobs) rows, groups in the order of ``keys``; all of them or an error."""
+        return [decode_group(raw) for raw in await self._get_values(keys, self.partition, "groups")]
+
+    async def put_sibling(self, key: str, completion: Completion) -> None:
+        """Stage one finished sibling under its ``staged_key`` in the staging partition."""
+        await self._put_value(key, self.staging, encode_sibling(completion))
+
+    async def get_siblings(self, keys: Sequence[str]) -> list[tuple[list[int], list[float], FinishReason]]:
+        """Staged siblings' (token ids, logprobs, finish reason), in the order of ``keys``; all or an error."""
+        if not keys:
+            return []
+        return [decode_sibling(raw) for raw in await self._get_values(keys, self.staging, "staged siblings")]
+
+    async def _put_value(self, key: str, partition: str, raw: bytes) -> None:
         import transfer_queue as tq
         from tensordict import NonTensorStack, TensorDict
 
-        fields = TensorDict({GROUP_FIELD: NonTensorStack(encode_group(rows))}, batch_size=[1])
+        fields = TensorDict({GROUP_FIELD: NonTensorStack(raw)}, batch_size=[1])
         if self._window is not None:
             # Before the put: a put that fails half-way may still have listed its key.
             self._window.uncut.add(key)
         # No TQ tags: per-group scalars live in the replay index, and tags would be shipped back
         # with every key by kv_list, the inventory check after every TQ save.
-        await self._call("put", lambda: tq.async_kv_batch_put(
-            keys=[key], partition_id=self.partition, fields=fields))
+        await self._call("put", lambda: tq.async_kv_batch_put(keys=[key], partition_id=partition, fields=fields))
         if self._window is not None:
             faults.hit("post_cut_commit")
 
-    async def get_groups(self, keys: Sequence[str]) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
-        """Each group's (input_ids, logprobs) rows, groups in the order of ``keys``; all of them or an error."""
+    async def _get_values(self, keys: Sequence[str], partition: str, what: str) -> list[bytes]:
         import transfer_queue as tq
 
-        data = await self._call("get", lambda: tq.async_kv_batch_get(keys=list(keys), partition_id=self.partition))
+        data = await self._call("get", lambda: tq.async_kv_batch_get(keys=list(keys), partition_id=partition))
         got = 0 if data is None else data.batch_size[0]
         if got != len(keys):
-            raise ShortRead(f"TransferQueue returned {got} of {len(keys)} groups asked for "
+            raise ShortRead(f"TransferQueue returned {got} of {len(keys)} {what} asked for "
                             f"(first asked: {list(keys)[:3]})")
-        return [decode_group(raw) for raw in data.get(GROUP_FIELD).tolist()]
+        return data.get(GROUP_FIELD).tolist()
+
+    def _partition_of(self, key: str) -> str:
+        return self.staging if "/" in key else self.partition
 
     async def clear(self, keys: Sequence[str]) -> None:
-        """Clear consumed or evicted groups; deferred while a save window is open."""
+        """Clear consumed or evicted groups, or staged siblings; deferred while a save window is open."""
         self._owed_clears.extend(keys)
         if self._window is None:
             await self._clear_owed()
@@ -259,7 +287,7 @@ class DataPlane:
         """
         import transfer_queue as tq
 
-        await self._call("clear", lambda: tq.async_kv_clear([key], self.partition))
+        await self._call("clear", lambda: tq.async_kv_clear([key], self._partition_of(key)))
 
     async def _clear_owed(self) -> None:
         import transfer_queue as tq
@@ -268,7 +296,10 @@ class DataPlane:
         if not owed:
             return
         try:
-            await self._call("clear", lambda: tq.async_kv_clear(owed, self.partition))
+            for partition in (self.partition, self.staging):
+                keys = [k for k in owed if self._partition_of(k) == partition]
+                if keys:
+                    await self._call("clear", lambda p=partition, k=keys: tq.async_kv_clear(k, p))
         except BaseException:
             # Still owed: the next clear (or save window) carries them, so no row is leaked.
             self._owed_clears[:0] = owed
@@ -290,11 +321,16 @@ class DataPlane:
         await self._clear_owed()
 
     async def list_keys(self) -> set[str]:
-        """TQ's canonical inventory: every key (group id) in the partition."""
+        """TQ's inventory: every group id in the partition and every staged sibling's key."""
         import transfer_queue as tq
 
-        listing = await self._call("list", lambda: tq.async_kv_list(self.partition))
-        return set(listing.get(self.partition, {}))
+        async def both() -> set[str]:
+            keys: set[str] = set()
+            for partition in (self.partition, self.staging):
+                keys.update((await tq.async_kv_list(partition)).get(partition, {}))
+            return keys
+
+        return await self._call("list", both)
 
     async def clear_all(self) -> None:
         ids = await self.list_keys()
@@ -336,6 +372,27 @@ def decode_group(raw: bytes) -> list[tuple[torch.Tensor, torch.Tensor]]:
     logprobs = torch.from_numpy(
         np.frombuffer(raw, dtype="<f4", count=sum(logprob_counts), offset=at).astype(np.float32))
     return list(zip(ids.split(id_counts), logprobs.split(logprob_counts), strict=True))
+
+
+_SIBLING_HEADER = struct.Struct("<qq")  # token count, finish reason (index into _FINISH_CODES)
+_FINISH_CODES = (FinishReason.STOP, FinishReason.LENGTH)
+
+
+def encode_sibling(completion: Completion) -> bytes:
+    """A staged sibling: its completion tokens (int64) and logprobs (float32); the ledger keeps its version."""
+    header = _SIBLING_HEADER.pack(len(completion.token_ids), _FINISH_CODES.index(completion.finish_reason))
+    return b"".join([header, np.asarray(completion.token_ids, dtype="<i8").tobytes(),
+                     np.asarray(completion.logprobs, dtype="<f4").tobytes()])
+
+
+def decode_sibling(raw: bytes) -> tuple[list[int], list[float], FinishReason]:
+    n, finish = _SIBLING_HEADER.unpack_from(raw)
+    at = _SIBLING_HEADER.size
+    if len(raw) != at + 12 * n or not 0 <= finish < len(_FINISH_CODES):
+        raise ShortRead(f"a staged sibling of {len(raw)} bytes does not hold the {n} tokens it declares")
+    ids = np.frombuffer(raw, dtype="<i8", count=n, offset=at).tolist()
+    logprobs = np.frombuffer(raw, dtype="<f4", count=n, offset=at + 8 * n).tolist()
+    return ids, logprobs, _FINISH_CODES[finish]
 
 
 @functools.cache

@@ -4,6 +4,10 @@ States move only forward: in_flight -> ready -> consumed, or any
 non-terminal state -> dropped (with a reason).  A prompt is admitted at most
 once per epoch; admitting it again is an invariant violation, never a silent
 discard.
+
+An in-flight entry also records which of its group's siblings are finished and
+staged in TQ (index and weight version each), so a restore generates only the
+missing ones.
 """
 
 from __future__ import annotations
@@ -39,6 +43,16 @@ def group_id_for(epoch: int, prompt_id: int) -> str:
     return f"e{epoch}-p{prompt_id}"
 
 
+def staged_key(group_id: str, index: int, weight_version: int) -> str:
+    """A staged sibling's TQ key.  The version is part of it: a sibling generated again (its staged
+    copy fell out of the staleness window) never reuses a key whose deferred clear may still be owed."""
+    return f"{group_id}/{index}/v{weight_version}"
+
+
+# (sibling index, weight version it was generated under), sorted by index.
+StagedSiblings = tuple[tuple[int, int], ...]
+
+
 @dataclass(frozen=True, slots=True)
 class LedgerEntry:
     """Immutable: a change replaces the entry, so a copied ledger (a checkpoint's cut) never sees it."""
@@ -48,6 +62,11 @@ class LedgerEntry:
     state: PromptState
     reason: str = ""
     target_step: int | None = None
+    staged: StagedSiblings = ()
+
+    def staged_keys(self) -> list[str]:
+        group_id = group_id_for(self.epoch, self.prompt_id)
+        return [staged_key(group_id, index, version) for index, version in self.staged]
 
 
 class PromptLedger:
@@ -73,7 +92,27 @@ class PromptLedger:
             raise InvariantViolation(f"group {group_id} is not in the prompt ledger")
         if state not in _NEXT[entry.state]:
             raise InvariantViolation(f"group {group_id}: illegal ledger move {entry.state} -> {state}")
-        self._entries[group_id] = replace(entry, state=state, reason=reason)
+        self._entries[group_id] = replace(entry, state=state, reason=reason, staged=())
+
+    def stage(self, group_id: str, index: int, weight_version: int) -> None:
+        """A finished sibling of an in-flight group is in TQ's staging partition."""
+        entry = self._entries.get(group_id)
+        if entry is None or entry.state is not PromptState.IN_FLIGHT:
+            raise InvariantViolation(f"sibling {index} staged for group {group_id} that is not in flight")
+        if any(i == index for i, _ in entry.staged):
+            raise InvariantViolation(f"sibling {index} of group {group_id} staged twice")
+        self._entries[group_id] = replace(entry, staged=tuple(sorted((*entry.staged, (index, weight_version)))))
+
+    def unstage(self, group_id: str, siblings: StagedSiblings) -> None:
+        entry = self._entries[group_id]
+        missing = set(siblings) - set(entry.staged)
+        if missing:
+            raise InvariantViolation(f"group {group_id}: siblings {sorted(missing)} are not staged")
+        self._entries[group_id] = replace(entry, staged=tuple(s for s in entry.staged if s not in siblings))
+
+    def staged_keys(self) -> set[str]:
+        """Every staged sibling's TQ key: part of a cut's exact inventory."""
+        return {key for e in self._entries.values() if e.staged for key in e.staged_keys()}
 
     def note_redispatch(self, group_id: str, reason: str) -> None:
         """An in-flight group goes to generation again (its last attempt was aborted); keep why."""
@@ -135,7 +174,8 @@ class PromptLedger:
 
     def to_document(self) -> LedgerDocument:
         return LedgerDocument(
-            entries=[LedgerEntryRecord(gid, e.epoch, e.prompt_id, e.state.value, e.reason, e.target_step)
+            entries=[LedgerEntryRecord(gid, e.epoch, e.prompt_id, e.state.value, e.reason, e.target_step,
+                                       [list(s) for s in e.staged])
                      for gid, e in self._entries.items()],
             pruned={s.value: n for s, n in self._pruned.items()},
         )
@@ -148,8 +188,13 @@ class PromptLedger:
             if r.group_id != group_id_for(r.epoch, r.prompt_id) or r.group_id in ledger._entries:
                 raise ValueError(f"ledger entry {r.group_id!r} is duplicated or not prompt {r.prompt_id} "
                                  f"of epoch {r.epoch}")
-            ledger._entries[r.group_id] = LedgerEntry(r.epoch, r.prompt_id, PromptState(r.state), r.reason,
-                                                      r.target_step)
+            state = PromptState(r.state)
+            staged = tuple(sorted((index, version) for index, version in r.staged))
+            if staged and state is not PromptState.IN_FLIGHT:
+                raise ValueError(f"ledger entry {r.group_id!r} is {state} but lists staged siblings")
+            if len({index for index, _ in staged}) != len(staged):
+                raise ValueError(f"ledger entry {r.group_id!r} stages a sibling twice")
+            ledger._entries[r.group_id] = LedgerEntry(r.epoch, r.prompt_id, state, r.reason, r.target_step, staged)
         for state, n in document.pruned.items():
             ledger._pruned[PromptState(state)] = n
         return ledger

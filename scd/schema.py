@@ -17,8 +17,11 @@ import msgspec
 
 from scd.replay import GroupMeta
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 # Schema 3: a TQ key per group (a value of bytes), BLAKE3 file digests, ``Sidecar.uncut_keys``.
+# Schema 4: ledger entries list their staged siblings (TQ's staging partition); a schema 3 bundle
+# reads as one with none staged.
+READABLE_SCHEMAS = frozenset({3, SCHEMA_VERSION})
 
 
 class CheckpointPhase(enum.StrEnum):
@@ -116,6 +119,7 @@ class LedgerEntryRecord(msgspec.Struct, array_like=True, forbid_unknown_fields=T
     state: str
     reason: str
     target_step: int | None
+    staged: list[tuple[int, int]] = []  # (sibling index, weight version) of an in-flight group's staged siblings
 
 
 class LedgerDocument(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -175,8 +179,9 @@ def decode(path: Path, kind: type[D]) -> D:
                           f"tensors, and this scd stores a group per key (schema {SCHEMA_VERSION}). Finish or "
                           "restore that run with the scd that wrote it, or move its bundles out of "
                           "checkpointing.dir to start empty")
-    if version != SCHEMA_VERSION:
-        raise SchemaError(f"{path.name} has schema_version {version!r}; this scd reads {SCHEMA_VERSION}")
+    if version not in READABLE_SCHEMAS:
+        raise SchemaError(f"{path.name} has schema_version {version!r}; this scd reads "
+                          f"{sorted(READABLE_SCHEMAS)}")
     try:
         return msgspec.json.decode(raw, type=kind)
     except msgspec.DecodeError as exc:

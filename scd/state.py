@@ -18,7 +18,7 @@ the index that names them change together.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -27,8 +27,8 @@ import anyio
 from scd.barrier import CheckpointBarrier, MutationKind
 from scd.dataloader import DataloaderState, PromptOrder
 from scd.errors import InvariantViolation
-from scd.ledger import DropReason, PromptLedger, PromptState
-from scd.records import Rollout
+from scd.ledger import DropReason, PromptLedger, PromptState, StagedSiblings, staged_key
+from scd.records import Completion, Rollout
 from scd.replay import GroupMeta, ReplayIndex
 from scd.samplers import Sampler
 
@@ -37,6 +37,8 @@ class RowStore(Protocol):
     """The data plane's writing side, as the state's mutations use it: one key per group, its id."""
 
     async def put_group(self, key: str, rows: Sequence[Rollout]) -> None: ...
+
+    async def put_sibling(self, key: str, completion: Completion) -> None: ...
 
     async def clear(self, keys: Sequence[str]) -> None: ...
 
@@ -57,6 +59,10 @@ class Cut:
     supports_replay_checkpoint: bool
     replay_digest: str
     captured_at: float
+
+    def keys(self) -> set[str]:
+        """Every TQ key the cut names: its ready groups and its in-flight groups' staged siblings."""
+        return {g.group_id for g in self.groups} | self.ledger.staged_keys()
 
 
 @dataclass(slots=True)
@@ -128,25 +134,51 @@ class ControllerState:
         async with self.barrier.mutation(MutationKind.REDISPATCH):
             self.ledger.note_redispatch(group_id, reason)
 
-    async def commit(self, group: GroupMeta, rows: Sequence[Rollout]) -> None:
-        """Put a group's rows and index it; if the put fails, the rows it may have written are cleared.
+    async def _put_or_discard(self, key: str, put: Awaitable[None]) -> None:
+        """Run ``put``; if it fails, the data it may have written under ``key`` is cleared.
 
         The original error propagates; a failing clear is attached to it as context.
+        """
+        try:
+            await put
+        except BaseException as put_error:
+            with anyio.CancelScope(shield=True):
+                try:
+                    await self._rows.discard_failed_put(key)
+                except Exception as clear_error:
+                    put_error.add_note(f"clearing the rows it may have written failed too: {clear_error!r}")
+                    raise put_error from clear_error
+            raise
+
+    async def stage_sibling(self, group_id: str, index: int, completion: Completion) -> None:
+        """A finished sibling of an in-flight group: staged in TQ and recorded in the ledger, together."""
+        async with self.barrier.mutation(MutationKind.STAGE):
+            state = self.ledger.state_of(group_id)
+            if state is not PromptState.IN_FLIGHT:
+                raise InvariantViolation(f"sibling {index} staged for group {group_id} whose ledger state is {state}")
+            key = staged_key(group_id, index, completion.weight_version)
+            await self._put_or_discard(key, self._rows.put_sibling(key, completion))
+            self.ledger.stage(group_id, index, completion.weight_version)
+
+    async def unstage_siblings(self, group_id: str, siblings: StagedSiblings) -> None:
+        """Staged siblings that will be generated again (out of the staleness window): cleared and forgotten."""
+        async with self.barrier.mutation(MutationKind.STAGE):
+            await self._rows.clear([staged_key(group_id, index, version) for index, version in siblings])
+            self.ledger.unstage(group_id, siblings)
+
+    async def commit(self, group: GroupMeta, rows: Sequence[Rollout]) -> None:
+        """Put a group's rows and index it; its staged siblings' keys are cleared (the group holds them now).
+
+        If the put fails, the rows it may have written are cleared and the group stays in flight.
         """
         async with self.barrier.mutation(MutationKind.COMMIT):
             state = self.ledger.state_of(group.group_id)
             if state is not PromptState.IN_FLIGHT:
                 raise InvariantViolation(f"commit of group {group.group_id} whose ledger state is {state}")
-            try:
-                await self._rows.put_group(group.group_id, rows)
-            except BaseException as put_error:
-                with anyio.CancelScope(shield=True):
-                    try:
-                        await self._rows.discard_failed_put(group.group_id)
-                    except Exception as clear_error:
-                        put_error.add_note(f"clearing the rows it may have written failed too: {clear_error!r}")
-                        raise put_error from clear_error
-                raise
+            await self._put_or_discard(group.group_id, self._rows.put_group(group.group_id, rows))
+            staged = self.ledger.entry(group.group_id).staged_keys()
+            if staged:
+                await self._rows.clear(staged)
             self.replay.add(group)
             self.ledger.advance(group.group_id, PromptState.READY)
             self.in_flight -= 1
@@ -204,7 +236,8 @@ class ControllerState:
         """Put a verified cut back; only before any mutation has run.
 
         In shadow mode (a sampler that does not restore its dispatch state) the ready
-        groups were not loaded: their prompts go back in flight with fresh target steps.
+        groups and staged siblings were not loaded: their prompts go back in flight with
+        fresh target steps, to be generated whole.
         """
         if self.barrier.statistics().mutations:
             raise InvariantViolation("restore after the controller state was already mutated")
@@ -219,6 +252,8 @@ class ControllerState:
                 self.ledger.requeue_after_shadow_restore(group_id)
             for group_id in self.ledger.in_state(PromptState.IN_FLIGHT):
                 self.ledger.retarget(group_id, self.sampler.on_dispatch())
+                # TQ's snapshot was not loaded: staged siblings are generated again.
+                self.ledger.unstage(group_id, self.ledger.entry(group_id).staged)
         else:
             self.sampler.load_state(restored.sampler_state)
 

@@ -87,7 +87,7 @@ async def checkpoint_now(controller: Controller) -> Outcome:
 async def generated(controller: Controller, n: int) -> list[GroupResult]:
     """Admit ``n`` prompts and have the real backend generate their groups (complete, not yet committed)."""
     requests: list[GroupRequest] = [await controller.admit() for _ in range(n)]
-    results = await controller.backend.generate(requests)
+    results = await controller.backend.generate(requests, lambda *reported: None)
     assert all(not r.incomplete_reason() for r in results)
     return results
 

@@ -33,7 +33,7 @@ def long_group(request: GroupRequest, seed: int) -> GroupResult:
     completions = [
         Completion(torch.randint(len(SPECIAL_TOKENS), TinyPolicy.vocab_size, (ROW_TOKENS,), generator=generator)
                    .tolist(), (-torch.rand(ROW_TOKENS, generator=generator)).tolist(), FinishReason.LENGTH, 0)
-        for _ in range(request.group_size)
+        for _ in request.siblings
     ]
     return GroupResult(request, completions, end_weight_version=0)
 

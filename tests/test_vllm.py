@@ -31,7 +31,7 @@ from scd.errors import InvariantViolation
 from scd.generation.base import GroupRequest
 from scd.generation.vllm_backend import VLLMBackend
 from scd.ledger import PromptState
-from scd.records import COMPLETE
+from scd.records import COMPLETE, Completion
 from scd.training.policy import HFPolicy, state_copy
 from tests.conftest import REPO, ScdProcess, vllm_cpu_config
 from tests.test_process import metric, scrape
@@ -62,7 +62,11 @@ async def engine(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> 
 
 
 def request(policy: HFPolicy, group_id: str = "e0-p0", max_tokens: int = 4, text: str = "1234=") -> GroupRequest:
-    return GroupRequest(group_id, 0, 0, tuple(policy.encode_prompt(text)), 8, max_tokens, None, 0.0)
+    return GroupRequest(group_id, 0, 0, tuple(policy.encode_prompt(text)), tuple(range(8)), max_tokens, None, 0.0)
+
+
+def ignore_siblings(request: GroupRequest, index: int, completion: Completion) -> None:
+    return None
 
 
 def hf_logprobs(policy: HFPolicy, model: torch.nn.Module, prompt: tuple[int, ...], tokens: list[int]) -> torch.Tensor:
@@ -93,9 +97,15 @@ async def test_group_has_every_sibling_complete_and_logprobs_match_hf(engine: VL
     model = policy.build_model().eval()
     await engine.update_weights(state_copy(model), 0)
     req = request(policy)
-    [result] = await engine.generate([req])
+    reported: list[tuple[int, Completion]] = []
+    [result] = await engine.generate([req], lambda _, index, completion: reported.append((index, completion)))
     assert result.incomplete_reason() == ""
-    assert len(result.completions) == req.group_size
+    assert len(result.completions) == len(req.siblings)
+    # Each sibling was reported as it finished, with what the result holds for it.
+    assert sorted(index for index, _ in reported) == list(req.siblings)
+    for index, completion in reported:
+        assert completion.token_ids == result.completions[index].token_ids
+        assert completion.logprobs == result.completions[index].logprobs
     assert all(c.finish_reason in COMPLETE and c.weight_version == 0 for c in result.completions)
     for completion in result.completions:
         assert 1 <= len(completion.token_ids) <= req.max_tokens
@@ -109,12 +119,12 @@ async def test_weight_sync_changes_generation_and_keeps_agreement(engine: VLLMBa
     model = policy.build_model().eval()
     await engine.update_weights(state_copy(model), 0)
     req = request(policy, max_tokens=8)
-    [before] = await engine.generate([req])
+    [before] = await engine.generate([req], ignore_siblings)
     with torch.no_grad():
         for param in model.parameters():
             param.add_(torch.randn_like(param) * 0.5)
     await engine.update_weights(state_copy(model), 7)
-    [after] = await engine.generate([req])
+    [after] = await engine.generate([req], ignore_siblings)
     assert {c.weight_version for c in after.completions} == {7} and after.end_weight_version == 7
     gaps = []
     for completion in after.completions:
@@ -138,7 +148,7 @@ async def test_an_aborted_group_is_never_committed_and_goes_back_to_dispatch(
         results = []
 
         async def generate() -> None:
-            results.extend(await engine.generate([req]))
+            results.extend(await engine.generate([req], ignore_siblings))
 
         async with anyio.create_task_group() as tg:
             tg.start_soon(generate)
@@ -150,8 +160,10 @@ async def test_an_aborted_group_is_never_committed_and_goes_back_to_dispatch(
         assert "stale" in result.incomplete_reason()
         with pytest.raises(InvariantViolation, match="incomplete"):
             await controller.commit(result)
-        again = await controller.redispatch_aborted(result)
-        assert again.group_id == req.group_id
+        to_commit, commit_in = anyio.create_memory_object_stream[Any](8)
+        again = await controller.redispatch_aborted(result, to_commit)
+        assert again.group_id == req.group_id and again.siblings == req.siblings
+        assert commit_in.statistics().current_buffer_used == 0  # nothing finished, nothing to unstage
         entry = controller.state.ledger.entry(req.group_id)
         assert entry.state is PromptState.IN_FLIGHT and "stale" in entry.reason
         assert len(controller.state.replay) == 0 and await controller.dataplane.list_keys() == set()

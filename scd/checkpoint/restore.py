@@ -43,6 +43,7 @@ class RestoreReport:
     prompts_redispatched: int
     shadow: bool
     uncut_groups_cleared: int  # groups put while the bundle's TQ save ran: in its snapshot, not in its cut
+    staged_siblings_not_loaded: int  # a shadow restore loads no TQ snapshot: its staged siblings run again
     phases: dict[str, float] = field(default_factory=dict)
 
 
@@ -97,6 +98,10 @@ def check_against_config(config: Config, state: ControllerState, verified: Verif
                "pass --allow-config-change to restore anyway")
     if info.group_size != config.generation.group_size:
         refuse(f"holds groups of {info.group_size}; generation.group_size is {config.generation.group_size}")
+    group_size = config.generation.group_size
+    outside = [gid for gid, e in verified.ledger.entries().items() if any(i >= group_size for i, _ in e.staged)]
+    if outside:
+        refuse(f"stages siblings beyond generation.group_size = {group_size} (first: {outside[:3]})")
     beyond = [gid for gid, e in verified.ledger.entries().items() if e.prompt_id >= state.order.num_prompts]
     if beyond:
         refuse(f"names prompts the task no longer has (task.path holds {state.order.num_prompts} prompts; "
@@ -145,9 +150,11 @@ async def restore_state(config: Config, state: ControllerState, dataplane: DataP
     index = ReplayIndex() if shadow else verified.index
     if not shadow:
         faults.hit("during_restore_index")
-        uncut_cleared = await clear_uncut_groups(dataplane, index, set(sidecar.uncut_keys), bundle)
+        expected = index.keys() | verified.ledger.staged_keys()
+        uncut_cleared = await clear_uncut_groups(dataplane, expected, set(sidecar.uncut_keys), bundle)
     lap(RestorePhase.REPLAY_METADATA)
 
+    staged_not_loaded = len(verified.ledger.staged_keys()) if shadow else 0
     state.install(Restored(
         step=info.step, weight_version=info.weight_version, dataloader=dataloader, index=index,
         ledger=verified.ledger, sampler_state=sidecar.sampler.state, shadow=shadow,
@@ -156,11 +163,11 @@ async def restore_state(config: Config, state: ControllerState, dataplane: DataP
     lap(RestorePhase.LEDGER)
     phases[RestorePhase.TOTAL] = time.monotonic() - started
     return RestoreReport(bundle, info.step, info.time, len(state.replay), redispatched, shadow, uncut_cleared,
-                         phases)
+                         staged_not_loaded, phases)
 
 
-async def clear_uncut_groups(dataplane: DataPlane, index: ReplayIndex, uncut: set[str], bundle: Path) -> int:
-    """Exact inventory at restore: TQ ends up holding the cut's groups, no more and no fewer.
+async def clear_uncut_groups(dataplane: DataPlane, expected: set[str], uncut: set[str], bundle: Path) -> int:
+    """Exact inventory at restore: TQ ends up holding the cut's groups and staged siblings, no more, no fewer.
 
     The snapshot was taken while commits went on, so it may hold groups put after the
     cut; the bundle names each key that could be there, and they are cleared here
@@ -169,12 +176,13 @@ async def clear_uncut_groups(dataplane: DataPlane, index: ReplayIndex, uncut: se
     """
     where = f"restore of {bundle}"
     listed = await dataplane.list_keys()
-    require_cut_inventory(index.keys(), listed, uncut, where)
-    extra = sorted(listed - index.keys())
+    require_cut_inventory(expected, listed, uncut, where)
+    extra = sorted(listed - expected)
     if extra:
-        log.info("restore of %s: clearing %d groups committed while its TQ save ran", bundle, len(extra))
+        log.info("restore of %s: clearing %d groups or staged siblings put while its TQ save ran", bundle,
+                 len(extra))
         await dataplane.clear(extra)
-        require_exact_inventory(index.keys(), await dataplane.list_keys(), where)
+        require_exact_inventory(expected, await dataplane.list_keys(), where)
     return len(extra)
 
 

@@ -123,7 +123,7 @@ async def save_data_plane(pending: PendingBundle, dataplane: DataPlane) -> None:
         started = time.monotonic()
         listed = await dataplane.list_keys()
         phases[CheckpointPhase.TQ_LIST] = time.monotonic() - started
-        require_cut_inventory({g.group_id for g in pending.cut.groups}, listed, window.uncut, "checkpoint")
+        require_cut_inventory(pending.cut.keys(), listed, window.uncut, "checkpoint")
         faults.hit("during_deferred_clear")
     finally:
         with anyio.CancelScope(shield=True):

@@ -4,11 +4,17 @@ A backend turns requests into completions (token ids, logprobs at the sampling
 temperature, finish reason, the weight version that made them).  It never
 scores: the daemon decodes and the task scores, in one place.  Adding a backend
 means one class here and one ``[generation.<name>]`` config sub-table.
+
+A request asks for some of a group's siblings (``GroupRequest.siblings``: all of
+them at first, the missing ones after a restore or an abort).  A backend whose
+siblings finish at different times reports each complete one through the
+``SiblingSink`` as it finishes, so the daemon can stage it; one whose siblings
+finish together need not.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -23,32 +29,32 @@ class GroupRequest:
     epoch: int
     prompt_id: int
     prompt_ids: tuple[int, ...]
-    group_size: int
+    siblings: tuple[int, ...]  # indices (in the group) of the siblings this request generates
     max_tokens: int
     target_step: int | None
     admitted_at: float
 
 
+# (request, the sibling's index in its group, its complete completion); must not block.
+SiblingSink = Callable[[GroupRequest, int, Completion], None]
+
+
 @dataclass(slots=True)
 class GroupResult:
-    """A group back from generation: complete, or aborted with a reason and never committed."""
+    """A request back from generation: every sibling it asked for complete, or aborted with a reason."""
 
     request: GroupRequest
-    completions: list[Completion]
+    completions: list[Completion]  # one per ``request.siblings``, in that order, when complete
     # The weight version when the last sibling finished; above the start version if a sync landed mid-group.
     end_weight_version: int
     aborted: str = ""
 
-    @property
-    def start_weight_version(self) -> int:
-        return min(c.weight_version for c in self.completions)
-
     def incomplete_reason(self) -> str:
-        """Why this group may not be committed, or "" when every sibling is complete."""
+        """Why this request's siblings are not all complete, or "" when they are."""
         if self.aborted:
             return self.aborted
-        if len(self.completions) != self.request.group_size:
-            return f"{len(self.completions)} of {self.request.group_size} siblings"
+        if len(self.completions) != len(self.request.siblings):
+            return f"{len(self.completions)} of {len(self.request.siblings)} siblings"
         unfinished = [c.finish_reason for c in self.completions if c.finish_reason not in COMPLETE]
         return f"siblings ended {sorted(set(unfinished))}" if unfinished else ""
 
@@ -59,7 +65,7 @@ class GenerationBackend(Protocol):
     # How many groups one generate() call should be given.
     batch_groups: int
 
-    async def generate(self, requests: Sequence[GroupRequest]) -> list[GroupResult]:
+    async def generate(self, requests: Sequence[GroupRequest], on_sibling: SiblingSink) -> list[GroupResult]:
         """One result per request, each sibling tagged with the weight version that made it."""
         ...
 

@@ -3,7 +3,9 @@
 ``generation.backend = "synthetic"`` produces complete groups of random tokens
 (drawn from each prompt's own token ids, so any policy can train on them) whose
 lengths are uniform in ``[min_completion_tokens, max_completion_tokens]``, at
-``tokens_per_s`` for the whole engine.  Benchmarks use it to ask what the
+``tokens_per_s`` for the whole engine.  A batch's sequences decode in lockstep,
+as in a continuous-batching engine, so siblings finish one by one, shortest
+first, and each is reported as it finishes.  Benchmarks use it to ask what the
 controller costs an engine much faster than CPU training: any time the engine
 has no request to work on shows up as lost tokens.  Its rollouts teach the
 policy nothing.
@@ -20,7 +22,7 @@ import anyio
 import torch
 
 from scd.config import Config
-from scd.generation.base import GroupRequest, GroupResult
+from scd.generation.base import GroupRequest, GroupResult, SiblingSink
 from scd.records import Completion, FinishReason
 from scd.telemetry import metrics
 
@@ -40,31 +42,35 @@ class SyntheticBackend:
         self._busy_until = 0.0
         self._in_progress: list[tuple[float, float, int]] = []
 
-    async def generate(self, requests: Sequence[GroupRequest]) -> list[GroupResult]:
+    async def generate(self, requests: Sequence[GroupRequest], on_sibling: SiblingSink) -> list[GroupResult]:
         version = self._version
-        results = []
-        tokens = 0
+        sequences: list[tuple[GroupRequest, int, Completion]] = []
         for req in requests:
             body = req.prompt_ids[1:] or req.prompt_ids
-            completions = []
-            for _ in range(req.group_size):
+            for index in req.siblings:
                 n = self._rng.randint(*self._lengths)
-                completions.append(Completion(
+                sequences.append((req, index, Completion(
                     token_ids=[self._rng.choice(body) for _ in range(n)], logprobs=[self._logprob] * n,
                     finish_reason=FinishReason.LENGTH, weight_version=version,
-                ))
-                tokens += n
-            results.append(GroupResult(req, completions, end_weight_version=version))
+                )))
+        tokens = sum(len(c.token_ids) for _, _, c in sequences)
         now = time.monotonic()
         start = max(now, self._busy_until)
         self._busy_until = start + tokens / self._rate
         work = (start, self._busy_until, tokens)
         self._in_progress.append(work)
-        await anyio.sleep(self._busy_until - now)
+        # Lockstep decoding: while k sequences are active, each token step costs k / rate seconds.
+        at, decoded, active = start, 0, len(sequences)
+        for req, index, completion in sorted(sequences, key=lambda s: len(s[2].token_ids)):
+            at += (len(completion.token_ids) - decoded) * active / self._rate
+            decoded, active = len(completion.token_ids), active - 1
+            await anyio.sleep(max(0.0, at - time.monotonic()))
+            on_sibling(req, index, completion)
         self._in_progress.remove(work)
         self._done_tokens += tokens
         metrics.generation_tokens.inc(tokens)
-        return results
+        return [GroupResult(req, [c for r, _, c in sequences if r is req], end_weight_version=version)
+                for req in requests]
 
     def generated_tokens(self) -> int:
         """Tokens finished, plus the share of queued work the engine has got through: a real engine

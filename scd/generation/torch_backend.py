@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from scd.config import Config
-from scd.generation.base import GroupRequest, GroupResult
+from scd.generation.base import GroupRequest, GroupResult, SiblingSink
 from scd.records import Completion, FinishReason
 from scd.telemetry import metrics
 from scd.training.policy import Policy
@@ -32,7 +32,8 @@ class TorchBackend:
         # Sampling and weight loads take turns on the one model, so a batch never mixes versions.
         self._limiter = anyio.CapacityLimiter(1)
 
-    async def generate(self, requests: Sequence[GroupRequest]) -> list[GroupResult]:
+    async def generate(self, requests: Sequence[GroupRequest], on_sibling: SiblingSink) -> list[GroupResult]:
+        # A batch's siblings finish together: nothing to report before it returns.
         return await anyio.to_thread.run_sync(self._generate_blocking, requests, limiter=self._limiter)
 
     async def update_weights(self, weights: dict[str, torch.Tensor], version: int) -> None:
@@ -62,12 +63,12 @@ class TorchBackend:
             by_shape[(len(req.prompt_ids), req.max_tokens)].append(req)
         results: dict[str, GroupResult] = {}
         for (prompt_len, new_tokens), reqs in by_shape.items():
-            prompts = torch.tensor([req.prompt_ids for req in reqs for _ in range(req.group_size)], dtype=torch.int64)
+            prompts = torch.tensor([req.prompt_ids for req in reqs for _ in req.siblings], dtype=torch.int64)
             tokens, logprobs = self._sample(prompts, new_tokens)
             row = 0
             for req in reqs:
                 completions = []
-                for _ in range(req.group_size):
+                for _ in req.siblings:
                     completions.append(Completion(
                         token_ids=tokens[row, prompt_len:].tolist(), logprobs=logprobs[row].tolist(),
                         finish_reason=FinishReason.LENGTH, weight_version=version,

@@ -5,9 +5,11 @@ how ``make test`` exercises it.  Choices, each for a defect of the first draft:
 
 * The engine is built in a worker thread (it loads the model and spawns the
   engine-core process), so signals, /metrics and the watchdog keep running.
-* One request per group with ``n = group_size`` and ``FINAL_ONLY`` output: the
-  one output carries every sibling, complete.  A group with an aborted or
-  missing sibling comes back marked ``aborted`` and is never committed.
+* One request per group with ``n`` = the siblings asked for and ``DELTA``
+  output: each sibling's tokens and logprobs are gathered by its index, and a
+  sibling is reported (``on_sibling``, to be staged) the moment it finishes
+  complete.  A request with an aborted or missing sibling comes back marked
+  ``aborted``; the daemon keeps its finished siblings.
 * Logprobs are vLLM's *processed* logprobs (after temperature), the trainer's
   convention, so the PPO ratio is unbiased at any temperature.  No other logits
   processor may run (``min_tokens`` would mask EOS and shift the first token's
@@ -38,8 +40,8 @@ import torch
 
 from scd.config import Config
 from scd.errors import ConfigError
-from scd.generation.base import GroupRequest, GroupResult
-from scd.records import Completion, FinishReason
+from scd.generation.base import GroupRequest, GroupResult, SiblingSink
+from scd.records import COMPLETE, Completion, FinishReason
 from scd.telemetry import metrics
 from scd.training.policy import Policy
 
@@ -92,43 +94,48 @@ class VLLMBackend:
         engine = await anyio.to_thread.run_sync(vllm.AsyncLLMEngine.from_engine_args, args)
         return cls(config, engine, vllm)
 
-    async def generate(self, requests: Sequence[GroupRequest]) -> list[GroupResult]:
-        return [await self._generate_group(req) for req in requests]
+    async def generate(self, requests: Sequence[GroupRequest], on_sibling: SiblingSink) -> list[GroupResult]:
+        return [await self._generate_group(req, on_sibling) for req in requests]
 
-    async def _generate_group(self, req: GroupRequest) -> GroupResult:
+    async def _generate_group(self, req: GroupRequest, on_sibling: SiblingSink) -> GroupResult:
         while self._sync_done is not None:
             await self._sync_done.wait()
         version = self._version
         self._attempt += 1
         request_id = f"{req.group_id}#{self._attempt}"
+        n = len(req.siblings)
         params = self._vllm.SamplingParams(
-            n=req.group_size, temperature=self._temperature, max_tokens=req.max_tokens, logprobs=0,
-            output_kind=self._vllm.sampling_params.RequestOutputKind.FINAL_ONLY, detokenize=False,
+            n=n, temperature=self._temperature, max_tokens=req.max_tokens, logprobs=0,
+            output_kind=self._vllm.sampling_params.RequestOutputKind.DELTA, detokenize=False,
         )
-        final = None
+        tokens: list[list[int]] = [[] for _ in range(n)]
+        logprobs: list[list[float]] = [[] for _ in range(n)]
+        finished: dict[int, FinishReason] = {}
         self._running[request_id] = version
         try:
             async for output in self._engine.generate({"prompt_token_ids": list(req.prompt_ids)}, params,
                                                       request_id=request_id):
-                final = output
+                for c in output.outputs:
+                    tokens[c.index].extend(c.token_ids)
+                    logprobs[c.index].extend(
+                        step[token].logprob for step, token in zip(c.logprobs or [], c.token_ids, strict=True))
+                    if c.finish_reason is None or c.index in finished:
+                        continue
+                    finished[c.index] = _FINISH_REASONS.get(c.finish_reason, FinishReason.ABORT)
+                    if finished[c.index] in COMPLETE:
+                        on_sibling(req, req.siblings[c.index], Completion(
+                            tokens[c.index], logprobs[c.index], finished[c.index], version))
         finally:
             del self._running[request_id]
         reason = self._abort_reasons.pop(request_id, "")
-        completions = [] if final is None else [
-            Completion(
-                token_ids=list(c.token_ids),
-                logprobs=[step[token].logprob for step, token in zip(c.logprobs or [], c.token_ids, strict=True)],
-                finish_reason=_FINISH_REASONS.get(c.finish_reason, FinishReason.ABORT),
-                weight_version=version,
-            )
-            for c in final.outputs
-        ]
-        # Counted as each group returns, aborted partial output included (it was generated);
+        completions = [Completion(tokens[i], logprobs[i], finished.get(i, FinishReason.ABORT), version)
+                       for i in range(n)]
+        # Counted as each request returns, aborted partial output included (it was generated);
         # vLLM's own vllm:generation_tokens_total counts per engine step on the same /metrics.
-        generated = sum(len(c.token_ids) for c in completions)
+        generated = sum(len(t) for t in tokens)
         metrics.generation_tokens.inc(generated)
         self._tokens += generated
-        if not reason and any(c.finish_reason is FinishReason.ABORT for c in completions):
+        if not reason and any(c.finish_reason not in COMPLETE for c in completions):
             reason = "aborted by vLLM"
         return GroupResult(req, completions, end_weight_version=self._version, aborted=reason)
 

@@ -85,5 +85,9 @@ recovery_siblings_reused = Counter(
     "scd_recovery_siblings_reused", "Finished siblings of unfinished groups reused after a restart"
 )
 recovery_siblings_rerun = Counter(
-    "scd_recovery_siblings_rerun", "Siblings generated again after a restart"
+    "scd_recovery_siblings_rerun",
+    "Staged siblings a restart could not reuse (outside the staleness window, or a shadow restore): generated again",
+)
+siblings_staged = Counter(
+    "scd_siblings_staged", "Finished siblings staged in TQ while others of their group still ran"
 )

@@ -1,0 +1,180 @@
+"""Sibling-level recovery: a group caught part-finished keeps its finished siblings across a crash.
+
+The synthetic engine decodes a batch in lockstep, so a group's siblings finish one by one
+(shortest first) and each is reported as it finishes; real TQ, real Ray, real training.
+"""
+
+from __future__ import annotations
+
+import math
+import signal
+import time
+from pathlib import Path
+
+import anyio
+import orjson
+import torch
+
+from scd.checkpoint import layout
+from scd.checkpoint.verify import verify_bundle
+from scd.daemon import CommitItem, Controller
+from scd.generation.base import GroupRequest
+from scd.ledger import PromptState, staged_key
+from scd.records import Completion
+from tests.conftest import ScdProcess, tiny_config, write_config
+from tests.test_crash_loop import effective_history
+from tests.test_data_safety import checkpoint_now
+from tests.test_process import metric, scrape
+
+SYNTHETIC = {"backend": "synthetic", "max_inflight_prompts": 8,
+             "synthetic": {"tokens_per_s": 300.0, "min_completion_tokens": 2, "max_completion_tokens": 40,
+                           "batch_groups": 4, "max_concurrent_batches": 1}}
+
+
+def in_flight_staged(controller: Controller) -> dict[str, tuple[tuple[int, int], ...]]:
+    ledger = controller.state.ledger
+    return {gid: ledger.entry(gid).staged for gid in ledger.in_state(PromptState.IN_FLIGHT)
+            if ledger.entry(gid).staged}
+
+
+async def test_finished_siblings_survive_a_crash_and_only_the_missing_ones_are_generated(
+    partition: str, tmp_path: Path
+) -> None:
+    config = tiny_config(tmp_path, partition, generation=SYNTHETIC,
+                         checkpointing={"enabled": True, "dir": str(tmp_path / "checkpoints"), "interval_s": 3600})
+    staged_rows: dict[str, dict[int, Completion]] = {}
+    async with Controller.open(config) as controller:
+        requests = [await controller.admit() for _ in range(4)]
+        to_commit, commit_in = anyio.create_memory_object_stream[CommitItem](math.inf)
+
+        def report(request: GroupRequest, index: int, completion: Completion) -> None:
+            controller.on_sibling(request, index, completion, to_commit)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(controller.committer, commit_in)
+            # The engine is cut off mid-batch, as a crash would: some siblings finished, none of the groups.
+            with anyio.move_on_after(1.2):
+                await controller.backend.generate(requests, report)
+            while commit_in.statistics().current_buffer_used:
+                await anyio.sleep(0.01)
+            staged = in_flight_staged(controller)
+            assert staged and all(len(s) < 8 for s in staged.values()), staged
+            staged_rows = {gid: {i: controller._finished[gid][i] for i, _ in s} for gid, s in staged.items()}
+            assert await checkpoint_now(controller) == "completed"
+            tg.cancel_scope.cancel()
+        # Exactly the staged siblings are in the staging partition, beside no group.
+        keys = {staged_key(gid, i, v) for gid, s in staged.items() for i, v in s}
+        assert await controller.dataplane.list_keys() == keys
+
+    bundle = layout.finalized_bundles(tmp_path / "checkpoints")[-1]
+    assert verify_bundle(bundle).ledger.staged_keys() == keys
+    await controller.dataplane.clear_all()  # the crash took TQ's contents with it
+
+    async with Controller.open(config) as controller:
+        await controller.restore()
+        events = [orjson.loads(line) for line in Path(config.telemetry.events_path).read_bytes().splitlines()]
+        restore = [e for e in events if e["event"] == "restore"][-1]
+        assert restore["siblings_reused"] == len(keys) and restore["siblings_rerun"] == 0
+        for gid, siblings in staged_rows.items():
+            # Read back whole: tokens and logprobs as generated, under the version that made them.
+            for index, completion in siblings.items():
+                back = controller._finished[gid][index]
+                assert back.token_ids == completion.token_ids and back.weight_version == completion.weight_version
+                # Logprobs are stored as float32, as the rows trained on are.
+                assert back.logprobs == torch.tensor(completion.logprobs, dtype=torch.float32).tolist()
+            assert controller._request(gid).siblings == tuple(i for i in range(8) if i not in siblings)
+
+        # Generation finishes only the missing siblings; the committed group holds the staged ones.
+        to_commit, commit_in = anyio.create_memory_object_stream[CommitItem](math.inf)
+        redone = [controller._request(gid) for gid in in_flight_staged(controller)]
+        asked = sum(len(r.siblings) for r in redone)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(controller.committer, commit_in)
+            for result in await controller.backend.generate(redone, lambda *reported: None):
+                assert len(result.completions) == len(result.request.siblings)
+                assert await controller.gather(result, to_commit)
+            while controller.awaiting_commit:
+                await anyio.sleep(0.01)
+            tg.cancel_scope.cancel()
+        assert asked == 8 * len(redone) - len(keys)
+        assert await controller.dataplane.list_keys() == set(staged_rows)  # staged keys cleared at commit
+        prompt_len = {r.group_id: len(r.prompt_ids) for r in redone}
+        for gid, rows in zip(staged_rows, await controller.dataplane.get_groups(list(staged_rows)), strict=True):
+            assert controller.state.ledger.state_of(gid) is PromptState.READY
+            for index, completion in staged_rows[gid].items():
+                assert rows[index][0][prompt_len[gid]:].tolist() == completion.token_ids
+        await controller.dataplane.clear_all()
+
+
+def test_sigkill_with_groups_part_finished_reuses_their_siblings_and_trains_each_prompt_once(
+    tmp_path: Path, scd_processes: list[ScdProcess]
+) -> None:
+    sampler = "windowed"  # the gated samplers' crash recovery: tests/test_crash_loop.py
+    extra = (
+        "\n[checkpointing]\nenabled = true\ninterval_s = 3600\nkeep_last = 3\n"
+        f'[async_rl.sampler]\nname = "{sampler}"\nmax_staleness_versions = 1\n'
+    )
+    config = write_config(tmp_path, max_steps=100_000, extra=extra)
+    text = config.read_text().replace(
+        "[generation]\n", '[generation]\nbackend = "synthetic"\n', 1).replace(
+        "[generation.torch]\nbatch_groups = 8\n",
+        "[generation.synthetic]\ntokens_per_s = 600.0\nmin_completion_tokens = 2\nmax_completion_tokens = 40\n"
+        "batch_groups = 4\nmax_concurrent_batches = 2\n")
+    config.write_text(text)
+    port = int(next(line for line in text.splitlines() if line.startswith("metrics_port")).split("=")[1])
+    root = tmp_path / "out" / "checkpoints"
+    first = ScdProcess(config)
+    scd_processes.append(first)
+    first.wait_for_line("metrics on http")
+    # Checkpoints only when asked: the newest bundle at the kill is the one inspected here.
+    staged: dict[str, list[list[int]]] = {}
+    deadline = time.monotonic() + 150
+    while not staged:
+        assert time.monotonic() < deadline, first.output()[-3000:]
+        before = len(layout.finalized_bundles(root))
+        first.signal(signal.SIGUSR1)
+        asked = time.monotonic()
+        # A checkpoint with no step since the last is skipped: ask again after a while.
+        while len(layout.finalized_bundles(root)) == before and time.monotonic() - asked < 10:
+            assert first.proc.poll() is None, first.output()[-3000:]
+            time.sleep(0.05)
+        if len(layout.finalized_bundles(root)) == before:
+            continue
+        bundle = layout.finalized_bundles(root)[-1]
+        sidecar = orjson.loads((bundle / layout.SIDECAR_FILE).read_bytes())
+        staged = {e[0]: e[6] for e in sidecar["ledger"]["entries"] if e[3] == "in_flight" and e[6]}
+    first.kill_group()
+    assert first.wait(timeout=30) == -signal.SIGKILL
+
+    info = verify_bundle(bundle).info
+    oldest = info.weight_version - 1
+    in_window = sum(v >= oldest for siblings in staged.values() for _, v in siblings)
+    second = ScdProcess(config, "--max-steps", str(info.step + 8))
+    scd_processes.append(second)
+    second.wait_for_line("restored ")
+    text_metrics = scrape(port)
+    assert metric(text_metrics, "scd_recovery_siblings_reused_total") == in_window
+    assert metric(text_metrics, "scd_recovery_siblings_rerun_total") == sum(map(len, staged.values())) - in_window
+    assert second.wait(timeout=300) == 0, second.output()[-3000:]
+
+    events = [orjson.loads(line) for line in (tmp_path / "out" / "events.jsonl").read_bytes().splitlines()]
+    restore = next(e for e in events if e["event"] == "restore")
+    assert restore["step"] == info.step and restore["siblings_reused"] == in_window > 0
+    history = effective_history(events)
+    assert [e["step"] for e in history] == list(range(1, info.step + 9))
+    trained = [tuple(p) for e in history for p in e["prompt_ids"]]
+    assert len(trained) == len(set(trained)), "a prompt was trained twice"
+    final = verify_bundle(layout.finalized_bundles(root)[-1])
+    trained_again = 0
+    for gid in staged:
+        # Each part-finished group trained once, or was dropped as stale, or is still on its way (a
+        # finished epoch's terminal entries are folded into counts: uniqueness above covers those).
+        state = final.ledger.state_of(gid)
+        epoch, prompt = (int(x[1:]) for x in gid.split("-"))
+        trained_again += trained.count((epoch, prompt))
+        if state is not None:
+            assert trained.count((epoch, prompt)) == (state is PromptState.CONSUMED)
+    assert trained_again > 0
+    print(f"sibling recovery ({sampler}): {in_window} of {sum(map(len, staged.values()))} staged siblings "
+          f"in window, all reused; {len(staged)} part-finished groups")
+
