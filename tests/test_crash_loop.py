@@ -1,6 +1,7 @@
 """A run SIGKILLed at seeded random moments still finishes, and the event log proves nothing was lost.
 
-`make soak` runs it with more kills (SCD_SOAK_KILLS).
+Each sampler runs the loop; the gated ones (weight_fifo, in_order) restore their dispatch state
+and ready groups like the windowed one.  `make soak` runs it with more kills (SCD_SOAK_KILLS).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import time
 from pathlib import Path
 
 import orjson
+import pytest
 
 from scd.checkpoint import layout
 from scd.checkpoint.verify import verify_bundle
@@ -18,6 +20,8 @@ from tests.conftest import ScdProcess, write_config
 
 CHECKPOINTS = "\n[checkpointing]\nenabled = true\ninterval_s = 0.5\nkeep_last = 3\n"
 KILLS = int(os.environ.get("SCD_SOAK_KILLS", "10"))
+# The gated samplers share every code path but their dispatch state: fewer kills each.
+SAMPLER_KILLS = {"windowed": KILLS, "weight_fifo": max(3, KILLS // 2), "in_order": max(3, KILLS // 2)}
 GROUPS_PER_STEP = 8  # tests/conftest.py TINY
 PROMPTS = 64
 
@@ -33,12 +37,22 @@ def effective_history(events: list[dict]) -> list[dict]:
     return history
 
 
-def test_crash_loop_loses_nothing(tmp_path: Path, scd_processes: list[ScdProcess]) -> None:
+@pytest.mark.parametrize("sampler", list(SAMPLER_KILLS))
+def test_crash_loop_loses_nothing(tmp_path: Path, scd_processes: list[ScdProcess], sampler: str) -> None:
     rng = random.Random(1234)
-    config = write_config(tmp_path, max_steps=100_000, extra=CHECKPOINTS)
+    sampler_section = f'[async_rl.sampler]\nname = "{sampler}"\nmax_staleness_versions = 1\n'
+    config = write_config(tmp_path, max_steps=100_000, extra=CHECKPOINTS + sampler_section)
     root = tmp_path / "out" / "checkpoints"
+    ready_in: dict[str, int] = {}  # bundle name -> its ready groups, for each bundle a start found newest
+
+    def note_newest_bundle() -> None:
+        if layout.finalized_bundles(root):
+            newest = layout.finalized_bundles(root)[-1]
+            ready_in[newest.name] = verify_bundle(newest).info.groups
+
     kills = 0
-    while kills < KILLS:
+    while kills < SAMPLER_KILLS[sampler]:
+        note_newest_bundle()
         scd = ScdProcess(config)
         scd_processes.append(scd)
         scd.wait_for_line("metrics on http")
@@ -48,12 +62,20 @@ def test_crash_loop_loses_nothing(tmp_path: Path, scd_processes: list[ScdProcess
         kills += 1
 
     k = layout.step_of(layout.finalized_bundles(root)[-1]) or 0
+    note_newest_bundle()
     final = ScdProcess(config, "--max-steps", str(k + 3))
     scd_processes.append(final)
     assert final.wait(timeout=300) == 0, final.output()[-3000:]
 
     events = [orjson.loads(line) for line in (tmp_path / "out" / "events.jsonl").read_text().splitlines()]
-    assert sum(e["event"] == "start" for e in events) == KILLS + 1
+    assert sum(e["event"] == "start" for e in events) == SAMPLER_KILLS[sampler] + 1
+    # No ready group is generated again: every restore put back all of its bundle's ready groups
+    # (stale ones are then evicted, never regenerated), for the gated samplers too.
+    restores = [e for e in events if e["event"] == "restore"]
+    assert restores and not any(e["shadow"] for e in restores)
+    kept = [(e["groups_restored"], ready_in[Path(e["bundle"]).name]) for e in restores
+            if Path(e["bundle"]).name in ready_in]
+    assert kept and all(restored == ready for restored, ready in kept), kept
     history = effective_history(events)
     steps = [e["step"] for e in history]
     assert steps == list(range(1, k + 4)), "trainer steps are not contiguous"
@@ -72,5 +94,6 @@ def test_crash_loop_loses_nothing(tmp_path: Path, scd_processes: list[ScdProcess
     assert sum(counts.values()) == admitted, "an admitted prompt is missing from the ledger"
     assert counts["consumed"] == len(consumed)
     assert all(e.reason for e in last.ledger.entries().values() if e.state.value == "dropped")
-    print(f"crash loop: {KILLS} kills, {admitted} prompts admitted, {counts['consumed']} consumed, "
-          f"{counts['dropped']} dropped, final step {k + 3}")
+    print(f"crash loop ({sampler}): {SAMPLER_KILLS[sampler]} kills, {admitted} prompts admitted, "
+          f"{counts['consumed']} consumed, {counts['dropped']} dropped, final step {k + 3}; ready groups kept "
+          f"{sum(r for r, _ in kept)} of {sum(b for _, b in kept)} over {len(kept)} restores")

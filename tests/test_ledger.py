@@ -9,8 +9,8 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from scd.dataloader import DataloaderState, PromptOrder
 from scd.errors import InvariantViolation
-from scd.ledger import PromptLedger, PromptState
-from scd.schema import LedgerDocument
+from scd.ledger import PromptLedger, PromptState, staged_key
+from scd.schema import LedgerDocument, LedgerEntryRecord
 
 
 class LedgerMachine(RuleBasedStateMachine):
@@ -85,3 +85,38 @@ def test_each_epoch_visits_every_prompt_once() -> None:
     for epoch in range(3):
         assert sorted(p for e, p in seen if e == epoch) == list(range(7))
     assert [p for e, p in seen if e == 0] != [p for e, p in seen if e == 1]
+
+
+def test_staged_siblings_are_kept_per_in_flight_entry_and_dropped_when_it_moves_on() -> None:
+    ledger = PromptLedger()
+    gid = ledger.admit(0, 3)
+    ledger.stage(gid, 5, 2)
+    ledger.stage(gid, 1, 2)
+    assert ledger.entry(gid).staged == ((1, 2), (5, 2))
+    assert ledger.staged_keys() == {staged_key(gid, 1, 2), staged_key(gid, 5, 2)} == {"e0-p3/1/v2", "e0-p3/5/v2"}
+    with pytest.raises(InvariantViolation, match="staged twice"):
+        ledger.stage(gid, 5, 3)
+    copy = ledger.copy()
+    ledger.unstage(gid, ((5, 2),))
+    assert ledger.entry(gid).staged == ((1, 2),) and copy.entry(gid).staged == ((1, 2), (5, 2))
+    with pytest.raises(InvariantViolation, match="not staged"):
+        ledger.unstage(gid, ((5, 2),))
+    document = msgspec.json.decode(msgspec.json.encode(copy.to_document()), type=LedgerDocument)
+    assert PromptLedger.from_document(document).entry(gid).staged == ((1, 2), (5, 2))
+    # The group committed: its siblings live in the group's value now.
+    ledger.advance(gid, PromptState.READY)
+    assert ledger.entry(gid).staged == () and ledger.staged_keys() == set()
+    with pytest.raises(InvariantViolation, match="not in flight"):
+        ledger.stage(gid, 0, 2)
+
+
+def test_a_ledger_document_with_staged_siblings_outside_flight_is_refused() -> None:
+    ready = LedgerEntryRecord("e0-p1", 0, 1, "ready", "", None, [[0, 1]])
+    with pytest.raises(ValueError, match="lists staged siblings"):
+        PromptLedger.from_document(LedgerDocument(entries=[ready], pruned={}))
+    twice = LedgerEntryRecord("e0-p1", 0, 1, "in_flight", "", None, [[0, 1], [0, 2]])
+    with pytest.raises(ValueError, match="stages a sibling twice"):
+        PromptLedger.from_document(LedgerDocument(entries=[twice], pruned={}))
+    # A schema 3 entry (no staged field) reads as one with none staged.
+    (old,) = msgspec.json.decode(b'[["e0-p1", 0, 1, "in_flight", "", null]]', type=list[LedgerEntryRecord])
+    assert PromptLedger.from_document(LedgerDocument(entries=[old], pruned={})).entry("e0-p1").staged == ()

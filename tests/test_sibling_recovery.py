@@ -9,7 +9,9 @@ from __future__ import annotations
 import math
 import signal
 import time
+from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import anyio
 import orjson
@@ -18,8 +20,8 @@ import torch
 from scd.checkpoint import layout
 from scd.checkpoint.verify import verify_bundle
 from scd.daemon import CommitItem, Controller
-from scd.generation.base import GroupRequest
-from scd.ledger import PromptState, staged_key
+from scd.generation.base import GenerationBackend, GroupRequest
+from scd.ledger import PromptState
 from scd.records import Completion
 from tests.conftest import ScdProcess, tiny_config, write_config
 from tests.test_crash_loop import effective_history
@@ -37,14 +39,16 @@ def in_flight_staged(controller: Controller) -> dict[str, tuple[tuple[int, int],
             if ledger.entry(gid).staged}
 
 
-async def test_finished_siblings_survive_a_crash_and_only_the_missing_ones_are_generated(
-    partition: str, tmp_path: Path
-) -> None:
-    config = tiny_config(tmp_path, partition, generation=SYNTHETIC,
-                         checkpointing={"enabled": True, "dir": str(tmp_path / "checkpoints"), "interval_s": 3600})
-    staged_rows: dict[str, dict[int, Completion]] = {}
-    async with Controller.open(config) as controller:
+async def crash_mid_generation_and_resume(config: Any, backend: GenerationBackend | None = None,
+                                          max_tokens: int | None = None) -> int:
+    """Generate 4 groups until some siblings are staged, checkpoint while generation goes on, then
+    cut generation off as a crash would.  A fresh controller restores the bundle: its staged
+    siblings come back whole, only the missing ones are generated, and each group commits with the
+    staged rows in it.  Returns how many siblings were reused."""
+    async with Controller.open(config, backend) as controller:
         requests = [await controller.admit() for _ in range(4)]
+        if max_tokens is not None:
+            requests = [replace(r, max_tokens=max_tokens) for r in requests]
         to_commit, commit_in = anyio.create_memory_object_stream[CommitItem](math.inf)
 
         def report(request: GroupRequest, index: int, completion: Completion) -> None:
@@ -52,29 +56,35 @@ async def test_finished_siblings_survive_a_crash_and_only_the_missing_ones_are_g
 
         async with anyio.create_task_group() as tg:
             tg.start_soon(controller.committer, commit_in)
-            # The engine is cut off mid-batch, as a crash would: some siblings finished, none of the groups.
-            with anyio.move_on_after(1.2):
-                await controller.backend.generate(requests, report)
-            while commit_in.statistics().current_buffer_used:
-                await anyio.sleep(0.01)
-            staged = in_flight_staged(controller)
-            assert staged and all(len(s) < 8 for s in staged.values()), staged
-            staged_rows = {gid: {i: controller._finished[gid][i] for i, _ in s} for gid, s in staged.items()}
+            generating = anyio.CancelScope()
+
+            async def generate() -> None:
+                with generating:
+                    await controller.backend.generate(requests, report)
+                generating.cancel()  # done: nothing more will be staged
+
+            tg.start_soon(generate)
+            # Eight staged siblings, or all there will be (a group's last sibling is never staged).
+            with anyio.fail_after(120):
+                while sum(map(len, in_flight_staged(controller).values())) < 8 and not generating.cancel_called:
+                    await anyio.sleep(0.01)
             assert await checkpoint_now(controller) == "completed"
+            generating.cancel()  # the crash: nothing generated after this point survives
             tg.cancel_scope.cancel()
-        # Exactly the staged siblings are in the staging partition, beside no group.
-        keys = {staged_key(gid, i, v) for gid, s in staged.items() for i, v in s}
-        assert await controller.dataplane.list_keys() == keys
+        finished = {gid: dict(siblings) for gid, siblings in controller._finished.items()}
+        await controller.dataplane.clear_all()  # the crash took TQ's contents with it
 
-    bundle = layout.finalized_bundles(tmp_path / "checkpoints")[-1]
-    assert verify_bundle(bundle).ledger.staged_keys() == keys
-    await controller.dataplane.clear_all()  # the crash took TQ's contents with it
+    bundle = verify_bundle(layout.finalized_bundles(Path(config.checkpointing.dir))[-1])
+    staged = {gid: e.staged for gid, e in bundle.ledger.entries().items() if e.staged}
+    assert staged and all(len(s) < 8 for s in staged.values()), staged
+    staged_rows = {gid: {i: finished[gid][i] for i, _ in s} for gid, s in staged.items()}
+    reused = sum(map(len, staged.values()))
 
-    async with Controller.open(config) as controller:
+    async with Controller.open(config, backend) as controller:
         await controller.restore()
         events = [orjson.loads(line) for line in Path(config.telemetry.events_path).read_bytes().splitlines()]
         restore = [e for e in events if e["event"] == "restore"][-1]
-        assert restore["siblings_reused"] == len(keys) and restore["siblings_rerun"] == 0
+        assert restore["siblings_reused"] == reused and restore["siblings_rerun"] == 0
         for gid, siblings in staged_rows.items():
             # Read back whole: tokens and logprobs as generated, under the version that made them.
             for index, completion in siblings.items():
@@ -86,8 +96,7 @@ async def test_finished_siblings_survive_a_crash_and_only_the_missing_ones_are_g
 
         # Generation finishes only the missing siblings; the committed group holds the staged ones.
         to_commit, commit_in = anyio.create_memory_object_stream[CommitItem](math.inf)
-        redone = [controller._request(gid) for gid in in_flight_staged(controller)]
-        asked = sum(len(r.siblings) for r in redone)
+        redone = [controller._request(gid) for gid in staged]
         async with anyio.create_task_group() as tg:
             tg.start_soon(controller.committer, commit_in)
             for result in await controller.backend.generate(redone, lambda *reported: None):
@@ -96,14 +105,23 @@ async def test_finished_siblings_survive_a_crash_and_only_the_missing_ones_are_g
             while controller.awaiting_commit:
                 await anyio.sleep(0.01)
             tg.cancel_scope.cancel()
-        assert asked == 8 * len(redone) - len(keys)
-        assert await controller.dataplane.list_keys() == set(staged_rows)  # staged keys cleared at commit
+        assert sum(len(r.siblings) for r in redone) == 8 * len(redone) - reused
+        assert await controller.dataplane.list_keys() == set(staged)  # staged keys cleared at commit
         prompt_len = {r.group_id: len(r.prompt_ids) for r in redone}
-        for gid, rows in zip(staged_rows, await controller.dataplane.get_groups(list(staged_rows)), strict=True):
+        for gid, rows in zip(staged, await controller.dataplane.get_groups(list(staged)), strict=True):
             assert controller.state.ledger.state_of(gid) is PromptState.READY
             for index, completion in staged_rows[gid].items():
                 assert rows[index][0][prompt_len[gid]:].tolist() == completion.token_ids
         await controller.dataplane.clear_all()
+    return reused
+
+
+async def test_finished_siblings_survive_a_crash_and_only_the_missing_ones_are_generated(
+    partition: str, tmp_path: Path
+) -> None:
+    config = tiny_config(tmp_path, partition, generation=SYNTHETIC,
+                         checkpointing={"enabled": True, "dir": str(tmp_path / "checkpoints"), "interval_s": 3600})
+    assert await crash_mid_generation_and_resume(config) > 0
 
 
 def test_sigkill_with_groups_part_finished_reuses_their_siblings_and_trains_each_prompt_once(

@@ -35,6 +35,7 @@ from scd.records import COMPLETE, Completion
 from scd.training.policy import HFPolicy, state_copy
 from tests.conftest import REPO, ScdProcess, vllm_cpu_config
 from tests.test_process import metric, scrape
+from tests.test_sibling_recovery import crash_mid_generation_and_resume
 
 # The Makefile installs vLLM wherever a build exists: vllm-cpu on x86_64 Linux, the [vllm] extra on CUDA
 # hosts.  Only a machine with neither may skip; on those two an import failure fails the tests.
@@ -167,6 +168,15 @@ async def test_an_aborted_group_is_never_committed_and_goes_back_to_dispatch(
         entry = controller.state.ledger.entry(req.group_id)
         assert entry.state is PromptState.IN_FLIGHT and "stale" in entry.reason
         assert len(controller.state.replay) == 0 and await controller.dataplane.list_keys() == set()
+
+
+async def test_siblings_finished_before_a_crash_are_reused_on_vllm(
+        engine: VLLMBackend, tiny_llama: Path, tmp_path: Path, partition: str) -> None:
+    """Groups caught mid-generation on vLLM: siblings end at their own EOS and are staged as they do."""
+    config = vllm_config(tiny_llama, tmp_path / "out", partition,
+                         checkpointing={"enabled": True, "dir": str(tmp_path / "checkpoints"), "interval_s": 3600})
+    reused = await crash_mid_generation_and_resume(config, engine, max_tokens=48)
+    print(f"vLLM sibling recovery: {reused} staged siblings reused, none generated again")
 
 
 def ledger_accounts_for_every_admission(controller: Controller) -> None:
