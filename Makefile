@@ -54,7 +54,7 @@ gpu-check: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/ruff check scd tests bench
-	$(BIN)/python -m pytest -q -p no:cacheprovider tests
+	$(BIN)/python -m pytest -q -p no:cacheprovider --durations=30 tests
 
 soak: $(STAMP)
 	SCD_SOAK_KILLS=$${SCD_SOAK_KILLS:-50} $(BIN)/python -m pytest -q -s -p no:cacheprovider tests/test_crash_loop.py

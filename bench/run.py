@@ -24,6 +24,7 @@ import orjson
 import torch
 
 from bench.gpu_check import summarize_steps
+from bench.recovery import crash_recovery, staging_cost
 from scd.checkpoint import layout
 from scd.checkpoint.restore import restore_state
 from scd.checkpoint.save import capture_cut
@@ -45,6 +46,8 @@ GOALS = {
     "generation_tokens_ratio_in_checkpoint_windows": (">=", 0.98), "max_mutation_wait_ms_10k": ("<=", 50.0),
     "train_pump_blocked_ms_10k": ("<=", 50.0),
     "commit_path_groups_per_s": (">=", 20000.0), "loop_stall_p99_ms": ("<=", 50.0),
+    **{f"crash_{s}_{k}": (">=", 1.0) for s in ("windowed", "weight_fifo", "in_order")
+       for k in ("ready_groups_kept_ratio", "siblings_reused_ratio")},
 }
 
 
@@ -138,7 +141,7 @@ def _completions(group_size: int, length: int) -> list[Completion]:
 
 def fake_group(request: Any, tokens: int) -> GroupResult:
     """A group of ``tokens``-long rows (prompt included), as a backend would return it."""
-    completions = _completions(request.group_size, tokens - len(request.prompt_ids))
+    completions = _completions(len(request.siblings), tokens - len(request.prompt_ids))
     return GroupResult(request, completions, end_weight_version=0)
 
 
@@ -375,10 +378,16 @@ class _NoDataPlane:
     async def put_group(self, key: str, rows: Any) -> None:
         return None
 
+    async def put_siblings(self, keys: Any, completions: Any) -> None:
+        return None
+
     async def clear(self, keys: Any) -> None:
         return None
 
-    async def discard_failed_put(self, key: str) -> None:
+    def clear_later(self, keys: Any) -> None:
+        return None
+
+    async def discard_failed_put(self, keys: Any) -> None:
         return None
 
 
@@ -437,6 +446,8 @@ async def main() -> None:
             for name, bench in (("commit_path", commit_path), ("overhead", overhead),
                                 ("exclusive_hold", exclusive_hold), ("live_checkpoints", live_checkpoints),
                                 ("snapshot", snapshot_and_restore),
+                                ("crash_recovery", functools.partial(crash_recovery, tiny=tiny)),
+                                ("staging_cost", functools.partial(staging_cost, tiny=tiny, fake_group=fake_group)),
                                 ("vllm_cpu", vllm_cpu)):
                 started = time.monotonic()
                 summary |= await bench(tmp)

@@ -61,6 +61,7 @@ from scd.training.policy import Policy, build_policy
 log = logging.getLogger(__name__)
 
 DRAIN_DEADLINE_S = 30.0
+STAGE_BATCH_MAX = 256  # siblings staged in one TQ put
 # /healthz calls the loop behind when a probe woke this much late within the last LOOP_STALL_WINDOW_S.
 LOOP_BEHIND_S = 1.0
 LOOP_STALL_WINDOW_S = 30.0
@@ -336,13 +337,14 @@ class Controller:
             for c, row_ids, row_logprobs in zip(completions, id_rows, logprob_rows, strict=True)
         ]
 
-    async def stage(self, item: SiblingFinished) -> None:
-        """Stage a finished sibling, unless its group has since completed or dropped it."""
-        group_id = item.request.group_id
-        if self._finished.get(group_id, {}).get(item.index) is not item.completion:
-            return
-        await self.state.stage_sibling(group_id, item.index, item.completion)
-        metrics.siblings_staged.inc()
+    async def stage(self, items: list[SiblingFinished]) -> None:
+        """Stage finished siblings in one TQ put, except those whose group has since completed or
+        dropped them."""
+        current = [(i.request.group_id, i.index, i.completion) for i in items
+                   if self._finished.get(i.request.group_id, {}).get(i.index) is i.completion]
+        if current:
+            await self.state.stage_siblings(current)
+            metrics.siblings_staged.inc(len(current))
 
     async def unstage_stale(self, item: SiblingsStale) -> None:
         staged = set(self.state.ledger.entry(item.group_id).staged)
@@ -440,11 +442,33 @@ class Controller:
                 tg.start_soon(run_batch, batch, name="generate_batch")
 
     async def committer(self, items: MemoryObjectReceiveStream[CommitItem]) -> None:
-        """One stream, in generation's order: a sibling is staged before its group commits or is unstaged."""
+        """One stream, in generation's order: a sibling is staged before its group commits or is unstaged.
+
+        Siblings queued one after another are staged together (one TQ put: a put's round trip,
+        not its size, is what a sibling costs), so staging keeps up however fast siblings finish.
+        """
         async with items:
-            async for item in items:
+            held: CommitItem | None = None
+            while True:
+                if held is None:
+                    try:
+                        item = await items.receive()
+                    except anyio.EndOfStream:
+                        return
+                else:
+                    item, held = held, None
                 if isinstance(item, SiblingFinished):
-                    await self.stage(item)
+                    batch = [item]
+                    while len(batch) < STAGE_BATCH_MAX:
+                        try:
+                            following = items.receive_nowait()
+                        except (anyio.WouldBlock, anyio.EndOfStream):
+                            break
+                        if not isinstance(following, SiblingFinished):
+                            held = following
+                            break
+                        batch.append(following)
+                    await self.stage(batch)
                 elif isinstance(item, SiblingsStale):
                     await self.unstage_stale(item)
                 else:

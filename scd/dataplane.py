@@ -230,15 +230,15 @@ class DataPlane:
 
     async def put_group(self, key: str, rows: Sequence[Rollout]) -> None:
         """Store one group's rows under its key (the group id)."""
-        await self._put_value(key, self.partition, encode_group(rows))
+        await self._put_values([key], self.partition, [encode_group(rows)])
 
     async def get_groups(self, keys: Sequence[str]) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
         """Each group's (input_ids, logprobs) rows, groups in the order of ``keys``; all of them or an error."""
         return [decode_group(raw) for raw in await self._get_values(keys, self.partition, "groups")]
 
-    async def put_sibling(self, key: str, completion: Completion) -> None:
-        """Stage one finished sibling under its ``staged_key`` in the staging partition."""
-        await self._put_value(key, self.staging, encode_sibling(completion))
+    async def put_siblings(self, keys: Sequence[str], completions: Sequence[Completion]) -> None:
+        """Stage finished siblings, each under its ``staged_key``, in one put to the staging partition."""
+        await self._put_values(keys, self.staging, [encode_sibling(c) for c in completions])
 
     async def get_siblings(self, keys: Sequence[str]) -> list[tuple[list[int], list[float], FinishReason]]:
         """Staged siblings' (token ids, logprobs, finish reason), in the order of ``keys``; all or an error."""
@@ -246,17 +246,18 @@ class DataPlane:
             return []
         return [decode_sibling(raw) for raw in await self._get_values(keys, self.staging, "staged siblings")]
 
-    async def _put_value(self, key: str, partition: str, raw: bytes) -> None:
+    async def _put_values(self, keys: Sequence[str], partition: str, raws: list[bytes]) -> None:
         import transfer_queue as tq
         from tensordict import NonTensorStack, TensorDict
 
-        fields = TensorDict({GROUP_FIELD: NonTensorStack(raw)}, batch_size=[1])
+        fields = TensorDict({GROUP_FIELD: NonTensorStack(*raws)}, batch_size=[len(raws)])
         if self._window is not None:
-            # Before the put: a put that fails half-way may still have listed its key.
-            self._window.uncut.add(key)
+            # Before the put: a put that fails half-way may still have listed its keys.
+            self._window.uncut.update(keys)
         # No TQ tags: per-group scalars live in the replay index, and tags would be shipped back
         # with every key by kv_list, the inventory check after every TQ save.
-        await self._call("put", lambda: tq.async_kv_batch_put(keys=[key], partition_id=partition, fields=fields))
+        await self._call("put", lambda: tq.async_kv_batch_put(keys=list(keys), partition_id=partition,
+                                                               fields=fields))
         if self._window is not None:
             faults.hit("post_cut_commit")
 
@@ -277,19 +278,26 @@ class DataPlane:
         """Clear consumed or evicted groups, or staged siblings; deferred while a save window is open."""
         self._owed_clears.extend(keys)
         if self._window is None:
-            await self._clear_owed()
+            await self.clear_owed()
 
-    async def discard_failed_put(self, key: str) -> None:
+    def clear_later(self, keys: Sequence[str]) -> None:
+        """Owe the clear of ``keys`` to the next clear (or save window close) rather than pay a TQ
+        round trip now: for a completed group's staged siblings, whose bytes its value holds.  A
+        save window that opens meanwhile counts them as uncut, so they never break an inventory."""
+        self._owed_clears.extend(keys)
+
+    async def discard_failed_put(self, keys: Sequence[str]) -> None:
         """Clear what a failed put may have written, at once even inside a save window.
 
-        The key is put again when the group is regenerated; a deferred clear would land
-        after that put and delete the new rows.  It is in the window's ``uncut``.
+        The keys are put again when their group or sibling is regenerated; a deferred clear
+        would land after that put and delete the new rows.  They are in the window's ``uncut``.
         """
         import transfer_queue as tq
 
-        await self._call("clear", lambda: tq.async_kv_clear([key], self._partition_of(key)))
+        await self._call("clear", lambda: tq.async_kv_clear(list(keys), self._partition_of(keys[0])))
 
-    async def _clear_owed(self) -> None:
+    async def clear_owed(self) -> None:
+        """Carry out every clear owed (deferred by a save window, or by ``clear_later``) now."""
         import transfer_queue as tq
 
         owed, self._owed_clears = self._owed_clears, []
@@ -318,7 +326,7 @@ class DataPlane:
     async def close_save_window(self) -> None:
         """Close the window and carry out the clears it deferred."""
         self._window = None
-        await self._clear_owed()
+        await self.clear_owed()
 
     async def list_keys(self) -> set[str]:
         """TQ's inventory: every group id in the partition and every staged sibling's key."""

@@ -38,11 +38,13 @@ class RowStore(Protocol):
 
     async def put_group(self, key: str, rows: Sequence[Rollout]) -> None: ...
 
-    async def put_sibling(self, key: str, completion: Completion) -> None: ...
+    async def put_siblings(self, keys: Sequence[str], completions: Sequence[Completion]) -> None: ...
 
     async def clear(self, keys: Sequence[str]) -> None: ...
 
-    async def discard_failed_put(self, key: str) -> None: ...
+    def clear_later(self, keys: Sequence[str]) -> None: ...
+
+    async def discard_failed_put(self, keys: Sequence[str]) -> None: ...
 
 
 @dataclass(slots=True)
@@ -134,8 +136,8 @@ class ControllerState:
         async with self.barrier.mutation(MutationKind.REDISPATCH):
             self.ledger.note_redispatch(group_id, reason)
 
-    async def _put_or_discard(self, key: str, put: Awaitable[None]) -> None:
-        """Run ``put``; if it fails, the data it may have written under ``key`` is cleared.
+    async def _put_or_discard(self, keys: list[str], put: Awaitable[None]) -> None:
+        """Run ``put``; if it fails, the data it may have written under ``keys`` is cleared.
 
         The original error propagates; a failing clear is attached to it as context.
         """
@@ -144,21 +146,25 @@ class ControllerState:
         except BaseException as put_error:
             with anyio.CancelScope(shield=True):
                 try:
-                    await self._rows.discard_failed_put(key)
+                    await self._rows.discard_failed_put(keys)
                 except Exception as clear_error:
                     put_error.add_note(f"clearing the rows it may have written failed too: {clear_error!r}")
                     raise put_error from clear_error
             raise
 
-    async def stage_sibling(self, group_id: str, index: int, completion: Completion) -> None:
-        """A finished sibling of an in-flight group: staged in TQ and recorded in the ledger, together."""
+    async def stage_siblings(self, finished: Sequence[tuple[str, int, Completion]]) -> None:
+        """Finished siblings (group id, index, completion) of in-flight groups: staged in TQ in one
+        put and recorded in the ledger, together."""
         async with self.barrier.mutation(MutationKind.STAGE):
-            state = self.ledger.state_of(group_id)
-            if state is not PromptState.IN_FLIGHT:
-                raise InvariantViolation(f"sibling {index} staged for group {group_id} whose ledger state is {state}")
-            key = staged_key(group_id, index, completion.weight_version)
-            await self._put_or_discard(key, self._rows.put_sibling(key, completion))
-            self.ledger.stage(group_id, index, completion.weight_version)
+            for group_id, index, _ in finished:
+                state = self.ledger.state_of(group_id)
+                if state is not PromptState.IN_FLIGHT:
+                    raise InvariantViolation(f"sibling {index} staged for group {group_id} whose ledger state "
+                                             f"is {state}")
+            keys = [staged_key(group_id, index, c.weight_version) for group_id, index, c in finished]
+            await self._put_or_discard(keys, self._rows.put_siblings(keys, [c for _, _, c in finished]))
+            for group_id, index, completion in finished:
+                self.ledger.stage(group_id, index, completion.weight_version)
 
     async def unstage_siblings(self, group_id: str, siblings: StagedSiblings) -> None:
         """Staged siblings that will be generated again (out of the staleness window): cleared and forgotten."""
@@ -175,10 +181,8 @@ class ControllerState:
             state = self.ledger.state_of(group.group_id)
             if state is not PromptState.IN_FLIGHT:
                 raise InvariantViolation(f"commit of group {group.group_id} whose ledger state is {state}")
-            await self._put_or_discard(group.group_id, self._rows.put_group(group.group_id, rows))
-            staged = self.ledger.entry(group.group_id).staged_keys()
-            if staged:
-                await self._rows.clear(staged)
+            await self._put_or_discard([group.group_id], self._rows.put_group(group.group_id, rows))
+            self._rows.clear_later(self.ledger.entry(group.group_id).staged_keys())
             self.replay.add(group)
             self.ledger.advance(group.group_id, PromptState.READY)
             self.in_flight -= 1

@@ -21,7 +21,7 @@ from tests.conftest import ScdProcess, write_config
 CHECKPOINTS = "\n[checkpointing]\nenabled = true\ninterval_s = 0.5\nkeep_last = 3\n"
 KILLS = int(os.environ.get("SCD_SOAK_KILLS", "10"))
 # The gated samplers share every code path but their dispatch state: fewer kills each.
-SAMPLER_KILLS = {"windowed": KILLS, "weight_fifo": max(3, KILLS // 2), "in_order": max(3, KILLS // 2)}
+SAMPLER_KILLS = {"windowed": KILLS, "weight_fifo": max(3, KILLS // 4), "in_order": max(3, KILLS // 4)}
 GROUPS_PER_STEP = 8  # tests/conftest.py TINY
 PROMPTS = 64
 
