@@ -61,12 +61,14 @@ class SyntheticBackend:
         self._in_progress.append(work)
         # Lockstep decoding: while k sequences are active, each token step costs k / rate seconds.
         at, decoded, active = start, 0, len(sequences)
-        for req, index, completion in sorted(sequences, key=lambda s: len(s[2].token_ids)):
-            at += (len(completion.token_ids) - decoded) * active / self._rate
-            decoded, active = len(completion.token_ids), active - 1
-            await anyio.sleep(max(0.0, at - time.monotonic()))
-            on_sibling(req, index, completion)
-        self._in_progress.remove(work)
+        try:
+            for req, index, completion in sorted(sequences, key=lambda s: len(s[2].token_ids)):
+                at += (len(completion.token_ids) - decoded) * active / self._rate
+                decoded, active = len(completion.token_ids), active - 1
+                await anyio.sleep(max(0.0, at - time.monotonic()))
+                on_sibling(req, index, completion)
+        finally:
+            self._in_progress.remove(work)
         self._done_tokens += tokens
         metrics.generation_tokens.inc(tokens)
         return [GroupResult(req, [c for r, _, c in sequences if r is req], end_weight_version=version)
