@@ -3,9 +3,10 @@
 ``crash_recovery``: a daemon on the synthetic engine (siblings finish one by one) is
 cut off right after a checkpoint, as a SIGKILL would; a fresh controller restores.
 Reported per sampler: ready groups kept (restored / in the cut), staged siblings
-reused (/ staged in the cut: goal 100%), staged in the cut / finished when it was read
-(the rest were queued for staging), and reused / finished at the crash (siblings that
-finished after the cut are lost with it, like groups committed after it).
+reused (/ staged in the cut: goal 100%), reused / finished in unfinished groups when the
+cut was read (a crash at that instant; siblings still queued for staging are the gap),
+and how many had finished by the crash (those finished after the cut are lost with it,
+like groups committed after it).
 
 ``staging_cost``: groups committed through the real commit path into TQ, plain
 (A) and with 7 of 8 siblings staged first (B), interleaved A B A B.
@@ -105,10 +106,11 @@ async def crash_recovery(tmp: Path, tiny: Any) -> dict[str, float]:
         out[f"crash_{sampler}_siblings_staged_in_cut"] = got["staged_in_cut"]
         out[f"crash_{sampler}_siblings_reused_ratio"] = got["siblings_reused"] / got["staged_in_cut"]
         out[f"crash_{sampler}_siblings_rerun"] = got["siblings_rerun"]
-        out[f"crash_{sampler}_siblings_staged_vs_finished_at_cut"] = (
-            got["staged_in_cut"] / max(1, got["finished_at_cut"]))
-        out[f"crash_{sampler}_siblings_reused_vs_finished_at_crash"] = (
-            got["siblings_reused"] / max(1, got["finished_at_crash"]))
+        # A crash at the instant of the cut: what it would keep of every sibling finished by then.
+        out[f"crash_{sampler}_siblings_reused_vs_finished_at_cut"] = got["siblings_reused"] / got["finished_at_cut"]
+        out[f"crash_{sampler}_siblings_finished_at_cut"] = got["finished_at_cut"]
+        # Finished (in groups still unfinished) between the cut and the crash: lost with it.
+        out[f"crash_{sampler}_siblings_finished_at_crash"] = got["finished_at_crash"]
     return out
 
 

@@ -47,7 +47,7 @@ GOALS = {
     "train_pump_blocked_ms_10k": ("<=", 50.0),
     "commit_path_groups_per_s": (">=", 20000.0), "loop_stall_p99_ms": ("<=", 50.0),
     **{f"crash_{s}_{k}": (">=", 1.0) for s in ("windowed", "weight_fifo", "in_order")
-       for k in ("ready_groups_kept_ratio", "siblings_reused_ratio")},
+       for k in ("ready_groups_kept_ratio", "siblings_reused_ratio", "siblings_reused_vs_finished_at_cut")},
 }
 
 
