@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import signal
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -20,9 +21,10 @@ import torch
 from scd.checkpoint import layout
 from scd.checkpoint.verify import verify_bundle
 from scd.daemon import CommitItem, Controller
-from scd.generation.base import GenerationBackend, GroupRequest
+from scd.dataplane import DataPlane
+from scd.generation.base import GenerationBackend, GroupRequest, GroupResult
 from scd.ledger import PromptState
-from scd.records import Completion
+from scd.records import Completion, FinishReason
 from tests.conftest import ScdProcess, tiny_config, write_config
 from tests.test_crash_loop import effective_history
 from tests.test_data_safety import checkpoint_now
@@ -31,6 +33,12 @@ from tests.test_process import metric, scrape
 SYNTHETIC = {"backend": "synthetic", "max_inflight_prompts": 8,
              "synthetic": {"tokens_per_s": 300.0, "min_completion_tokens": 2, "max_completion_tokens": 40,
                            "batch_groups": 4, "max_concurrent_batches": 1}}
+
+
+async def wait_for(condition: Callable[[], bool]) -> None:
+    with anyio.fail_after(30):
+        while not condition():
+            await anyio.sleep(0.01)
 
 
 def in_flight_staged(controller: Controller) -> dict[str, tuple[tuple[int, int], ...]]:
@@ -198,3 +206,43 @@ def test_sigkill_with_groups_part_finished_reuses_their_siblings_and_trains_each
     print(f"sibling recovery ({sampler}): {in_window} of {sum(map(len, staged.values()))} staged siblings "
           f"in window, all reused; {len(staged)} part-finished groups")
 
+
+
+async def test_staged_siblings_outside_the_window_are_generated_again(partition: str, tmp_path: Path) -> None:
+    config = tiny_config(tmp_path, partition, generation=SYNTHETIC,
+                         async_rl={"sampler": {"name": "windowed", "max_staleness_versions": 1}},
+                         checkpointing={"enabled": True, "dir": str(tmp_path / "checkpoints"), "interval_s": 3600})
+    async with Controller.open(config) as controller:
+        to_commit, commit_in = anyio.create_memory_object_stream[CommitItem](math.inf)
+        live_request, restored_request = await controller.admit(), await controller.admit()
+        for request, indices in ((live_request, (0, 1, 2)), (restored_request, (3, 5))):
+            for index in indices:
+                controller.on_sibling(request, index, Completion([7, 8, index], [-0.5, -0.25, -1.0],
+                                                                 FinishReason.STOP, 0), to_commit)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(controller.committer, commit_in)
+            await wait_for(lambda: len(controller.state.ledger.staged_keys()) == 5)
+            # Two steps on: weight version 2, window 1, so siblings of version 0 are stale.
+            await controller.state.finish_step([])
+            await controller.state.finish_step([])
+            # Live: an aborted attempt goes back to generation whole, its stale staged siblings dropped.
+            aborted = GroupResult(live_request, [], end_weight_version=2, aborted="aborted by vLLM")
+            again = await controller.redispatch_aborted(aborted, to_commit)
+            assert again.siblings == tuple(range(8))
+            await wait_for(lambda: controller.state.ledger.entry(live_request.group_id).staged == ())
+            assert await controller.dataplane.list_keys() == {f"{restored_request.group_id}/3/v0",
+                                                              f"{restored_request.group_id}/5/v0"}
+            assert await checkpoint_now(controller) == "completed"
+            tg.cancel_scope.cancel()
+    await DataPlane(config.data_plane).clear_all()
+
+    # Restored: the other group's staged siblings are out of the window too, and generated again.
+    async with Controller.open(config) as controller:
+        await controller.restore()
+        assert controller.state.weight_version == 2
+        events = [orjson.loads(line) for line in Path(config.telemetry.events_path).read_bytes().splitlines()]
+        restore = [e for e in events if e["event"] == "restore"][-1]
+        assert (restore["siblings_reused"], restore["siblings_rerun"]) == (0, 2)
+        assert controller.state.ledger.entry(restored_request.group_id).staged == ()
+        assert await controller.dataplane.list_keys() == set()
+        assert controller._request(restored_request.group_id).siblings == tuple(range(8))
