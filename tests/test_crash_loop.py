@@ -19,9 +19,9 @@ from scd.checkpoint.verify import verify_bundle
 from tests.conftest import ScdProcess, write_config
 
 CHECKPOINTS = "\n[checkpointing]\nenabled = true\ninterval_s = 0.5\nkeep_last = 3\n"
-KILLS = int(os.environ.get("SCD_SOAK_KILLS", "10"))
+KILLS = int(os.environ.get("SCD_SOAK_KILLS", "8"))
 # The gated samplers share every code path but their dispatch state: fewer kills each.
-SAMPLER_KILLS = {"windowed": KILLS, "weight_fifo": max(3, KILLS // 4), "in_order": max(3, KILLS // 4)}
+SAMPLER_KILLS = {"windowed": KILLS, "weight_fifo": max(2, KILLS // 4), "in_order": max(2, KILLS // 4)}
 GROUPS_PER_STEP = 8  # tests/conftest.py TINY
 PROMPTS = 64
 
