@@ -292,22 +292,25 @@ class DataPlane:
         The keys are put again when their group or sibling is regenerated; a deferred clear
         would land after that put and delete the new rows.  They are in the window's ``uncut``.
         """
+
+        await self._clear_now(keys)
+
+    async def _clear_now(self, keys: Sequence[str]) -> None:
+        """One TQ clear per partition the keys fall in."""
         import transfer_queue as tq
 
-        await self._call("clear", lambda: tq.async_kv_clear(list(keys), self._partition_of(keys[0])))
+        for partition in (self.partition, self.staging):
+            inside = [k for k in keys if self._partition_of(k) == partition]
+            if inside:
+                await self._call("clear", lambda p=partition, k=inside: tq.async_kv_clear(k, p))
 
     async def clear_owed(self) -> None:
         """Carry out every clear owed (deferred by a save window, or by ``clear_later``) now."""
-        import transfer_queue as tq
-
         owed, self._owed_clears = self._owed_clears, []
         if not owed:
             return
         try:
-            for partition in (self.partition, self.staging):
-                keys = [k for k in owed if self._partition_of(k) == partition]
-                if keys:
-                    await self._call("clear", lambda p=partition, k=keys: tq.async_kv_clear(k, p))
+            await self._clear_now(owed)
         except BaseException:
             # Still owed: the next clear (or save window) carries them, so no row is leaked.
             self._owed_clears[:0] = owed

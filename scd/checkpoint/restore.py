@@ -148,13 +148,14 @@ async def restore_state(config: Config, state: ControllerState, dataplane: DataP
 
     # The index verify_bundle rebuilt (each group checked, the digest matched): installed as it is.
     index = ReplayIndex() if shadow else verified.index
+    staged = verified.ledger.staged_keys()
     if not shadow:
         faults.hit("during_restore_index")
-        expected = index.keys() | verified.ledger.staged_keys()
+        expected = index.keys() | staged
         uncut_cleared = await clear_uncut_groups(dataplane, expected, set(sidecar.uncut_keys), bundle)
     lap(RestorePhase.REPLAY_METADATA)
 
-    staged_not_loaded = len(verified.ledger.staged_keys()) if shadow else 0
+    staged_not_loaded = len(staged) if shadow else 0
     state.install(Restored(
         step=info.step, weight_version=info.weight_version, dataloader=dataloader, index=index,
         ledger=verified.ledger, sampler_state=sidecar.sampler.state, shadow=shadow,
