@@ -15,7 +15,8 @@ Layering, bottom to top (a module imports only from layers below it):
 3. Adapters to the outside world: ``dataplane`` (TransferQueue on Ray, every
    call bounded), ``training`` (the policy seam and GRPO), ``generation``
    (torch, vLLM or the synthetic load-testing engine), ``telemetry`` (Prometheus, events),
-   ``systemd`` (sd_notify).
+   ``systemd`` (sd_notify), ``reaper`` (a process of its own, standard library only, that
+   kills the embedded Ray's processes when scd dies).
 4. ``checkpoint``: the bundle layout, save, restore and offline verify.  It
    works on the state, the data plane and the trainer, never the controller.
 5. ``daemon``: wiring, the pumps, and the one task group in which every

@@ -14,6 +14,7 @@ import anyio
 import orjson
 from anyio.abc import TaskStatus
 
+from scd.checkpoint.restore import keep_history_linear
 from scd.config import Config, load_config
 from scd.daemon import Controller, Triggers
 from scd.errors import EXIT_CONFIG, EXIT_INVARIANT, EXIT_OK, EXIT_OTHER, ScdError
@@ -116,6 +117,9 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--max-steps", type=int, default=None, help="stop after N trainer steps")
     run.add_argument("--restore-from", type=Path, default=None,
                      help="restore this bundle instead of the newest finalized one")
+    run.add_argument("--discard-newer", action="store_true",
+                     help="with --restore-from an older bundle: move the newer bundles to "
+                          "<checkpointing.dir>/abandoned/<time>/ (never deleted) and continue from it")
     run.add_argument("--allow-config-change", action="store_true",
                      help="restore even if settings that change what stored rollouts mean have changed")
     report = commands.add_parser("report", help="plots and a summary table from an event log")
@@ -163,6 +167,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.max_steps is not None and args.max_steps < 1:
             print("scd: error: --max-steps must be >= 1", file=sys.stderr)
             return EXIT_CONFIG
+        if args.discard_newer and args.restore_from is None:
+            print("scd: error: --discard-newer goes with --restore-from BUNDLE", file=sys.stderr)
+            return EXIT_CONFIG
+        # Which history the run continues is settled here, before Ray or any engine starts.
+        keep_history_linear(Path(config.checkpointing.dir), args.restore_from, args.discard_newer)
         anyio.run(run_daemon, config, args, backend="asyncio", backend_options={"use_uvloop": True})
     except BaseException as exc:
         error = _first_scd_error(exc)

@@ -162,14 +162,19 @@ class Config(_Section):
     telemetry: TelemetryConfig = msgspec.field(default_factory=TelemetryConfig)
 
     def fingerprint_fields(self) -> dict[str, object]:
-        """The settings that change what a stored rollout means (DESIGN §4).
+        """The settings that change what a stored rollout, or the sampler state beside it, means (DESIGN §4).
 
         A JSONL task counts by content, not by path: a file edited in place changes
-        what every stored prompt id means.
+        what every stored prompt id means.  A sampler that gates dispatch counts its
+        quota and target steps in steps of ``trainer.groups_per_step``; ``windowed`` is
+        the one built-in that does not (a custom sampler may, so it counts too).
         """
         task_content = hashlib.sha256(Path(self.task.path).read_bytes()).hexdigest() if self.task.name == "jsonl" \
             else ""
+        gated = {"trainer.groups_per_step": self.trainer.groups_per_step} \
+            if self.async_rl.sampler.name != "windowed" else {}
         return {
+            **gated,
             "model": msgspec.to_builtins(self.model),
             "task": msgspec.to_builtins(self.task),
             "task.content_sha256": task_content,

@@ -40,10 +40,17 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import shutil
+import signal
 import struct
+import subprocess
+import sys
+import tempfile
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
+from concurrent.futures import Future
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -53,10 +60,11 @@ import anyio
 import numpy as np
 import torch
 
-from scd import faults
+from scd import faults, reaper
 from scd.config import DataPlaneConfig
 from scd.errors import ConfigError, DataPlaneError, InvariantViolation, ShortRead
 from scd.records import Completion, FinishReason, Rollout
+from scd.telemetry import metrics
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -106,6 +114,91 @@ def check_layout(config: DataPlaneConfig, running: Any) -> Placement:
                      storage_units=sorted(info.ip for info in storage.zmq_info.values()))
 
 
+class EmbeddedRay:
+    """This process's private Ray (``data_plane.ray.address`` empty), gone with this process however it ends.
+
+    A temp directory of its own gives it its own session, sockets and port files: nothing a dead
+    scd's Ray left is read or reused.  Two things make it die with scd:
+
+    - ``ray.init`` runs on a thread that lives until ``stop``.  Ray starts its GCS and raylet with
+      PR_SET_PDEATHSIG, which the kernel fires when the *thread* that started them exits: anyio's
+      pool retires a thread idle for 10 s, and the GCS of a running scd died with it ("Failed to
+      connect to GCS").
+    - ``scd.reaper``, watching this process from before Ray starts, kills every process this Ray
+      started (those holding files open in its temp directory) once this process exits, or when
+      ``stop`` asks it to.
+    """
+
+    def __init__(self, temp_dir: str, reaper_process: subprocess.Popen[bytes]) -> None:
+        self.temp_dir = temp_dir
+        self._reaper = reaper_process
+        self._reaper_watching = False
+        self._release_host = threading.Event()
+
+    @classmethod
+    async def start(cls, config: DataPlaneConfig) -> EmbeddedRay:
+        temp_dir = tempfile.mkdtemp(prefix="scd-ray-")
+        embedded = cls(temp_dir, subprocess.Popen(
+            [sys.executable, "-m", "scd.reaper", str(os.getpid()), temp_dir],
+            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, start_new_session=True))
+        try:
+            await embedded._wait_for_reaper(config.startup_timeout_s)
+            started = embedded._init_on_host_thread(config.ray.num_cpus)
+            await _bounded_thread(config.startup_timeout_s, "ray.init", started.result)
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                await embedded.stop(config.call_timeout_s)
+            raise
+        return embedded
+
+    async def _wait_for_reaper(self, timeout_s: float) -> None:
+        assert self._reaper.stdout is not None
+        said = await _bounded_thread(timeout_s, "the start of scd's Ray reaper", self._reaper.stdout.readline)
+        if said != reaper.READY:
+            status = await _bounded_thread(timeout_s, "scd's Ray reaper", self._reaper.wait, swallow=True)
+            raise DataPlaneError(f"scd's Ray reaper (python -m scd.reaper) did not start (exit status {status}; "
+                                 "its error is above). scd will not start a Ray that a crash would leak; set "
+                                 "data_plane.ray.address to use a Ray cluster instead")
+        self._reaper_watching = True
+
+    def _init_on_host_thread(self, num_cpus: int) -> Future[None]:
+        import ray
+
+        started: Future[None] = Future()
+
+        def host() -> None:
+            try:
+                # address="local": without it ray.init joins any cluster this machine runs (`ray start`),
+                # which the empty data_plane.ray.address does not ask for.
+                # TQ's actors bind their zmq sockets (pickled messages) to Ray's node IP.  Ray rewrites
+                # 127.0.0.1 to the host's network address (so TQ listened on the network); 127.0.0.2
+                # is loopback and is kept as it is.
+                ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=False,
+                         _node_ip_address="127.0.0.2", _temp_dir=self.temp_dir, logging_level=logging.WARNING)
+            except BaseException as exc:
+                started.set_exception(exc)
+                return
+            started.set_result(None)
+            self._release_host.wait()
+
+        threading.Thread(target=host, name="scd-embedded-ray", daemon=True).start()
+        return started
+
+    async def stop(self, timeout_s: float) -> None:
+        """After ``ray.shutdown``: end the thread that started Ray, and have the reaper kill what is left."""
+        self._release_host.set()
+        if self._reaper_watching:
+            # It sweeps, removes the temp directory and exits.
+            self._reaper.send_signal(signal.SIGUSR1)
+        else:
+            # Ray was never started: nothing to sweep.
+            self._reaper.kill()
+            shutil.rmtree(self.temp_dir, ignore_errors=True)
+        await _bounded_thread(timeout_s, "scd's Ray reaper", self._reaper.wait, swallow=True)
+        assert self._reaper.stdout is not None
+        self._reaper.stdout.close()
+
+
 class DataPlane:
     def __init__(self, config: DataPlaneConfig) -> None:
         self.config = config
@@ -127,27 +220,22 @@ class DataPlane:
         from transfer_queue import interface as tq_interface
 
         started_ray = False
+        embedded: EmbeddedRay | None = None
         if not ray.is_initialized():
             if config.ray.address:
                 await _bounded_thread(config.startup_timeout_s, "ray.init",
                                       lambda: ray.init(address=config.ray.address, log_to_driver=False))
             else:
-                # A private instance: without address="local", ray.init joins any cluster this machine
-                # runs (`ray start`), which the empty data_plane.ray.address does not ask for.
-                # TQ's actors bind their zmq sockets (pickled messages) to Ray's node IP.  Ray rewrites
-                # 127.0.0.1 to the host's network address (so TQ listened on the network); 127.0.0.2
-                # is loopback and is kept as it is.
-                await _bounded_thread(config.startup_timeout_s, "ray.init", lambda: ray.init(
-                    address="local", num_cpus=config.ray.num_cpus, include_dashboard=False, log_to_driver=False,
-                    _node_ip_address="127.0.0.2", logging_level=logging.WARNING))
+                embedded = await EmbeddedRay.start(config)
             started_ray = True
         conf = {"backend": {"SimpleStorage": {"num_data_storage_units": config.storage_units,
                                               "required_node_resource": config.required_node_resource or None}}}
         attached_already = tq_interface._TQ_CLIENT is not None
-        await _bounded_thread(config.startup_timeout_s, "tq.init", lambda: tq.init(conf))
-        # tq.close() kills the controller even from a process that merely attached: close only ours.
-        owns_tq = not attached_already and tq_interface._TQ_STORAGE is not None
+        owns_tq = False
         try:
+            await _bounded_thread(config.startup_timeout_s, "tq.init", lambda: tq.init(conf))
+            # tq.close() kills the controller even from a process that merely attached: close only ours.
+            owns_tq = not attached_already and tq_interface._TQ_STORAGE is not None
             running = await _bounded_thread(config.startup_timeout_s, "TQ's config", lambda: ray.get(
                 tq_interface._TQ_CONTROLLER.get_config.remote()))
             dataplane = cls(config)
@@ -161,6 +249,8 @@ class DataPlane:
                     await _bounded_thread(config.call_timeout_s, "tq.close", tq.close, swallow=True)
                 if started_ray:
                     await _bounded_thread(config.call_timeout_s, "ray.shutdown", ray.shutdown, swallow=True)
+                if embedded is not None:
+                    await embedded.stop(config.call_timeout_s)
 
     async def _call(self, what: str, fn: Callable[[], Any]) -> Any:
         self.data_ops += 1
@@ -276,7 +366,7 @@ class DataPlane:
 
     async def clear(self, keys: Sequence[str]) -> None:
         """Clear consumed or evicted groups, or staged siblings; deferred while a save window is open."""
-        self._owed_clears.extend(keys)
+        self._owe(keys)
         if self._window is None:
             await self.clear_owed()
 
@@ -284,7 +374,11 @@ class DataPlane:
         """Owe the clear of ``keys`` to the next clear (or save window close) rather than pay a TQ
         round trip now: for a completed group's staged siblings, whose bytes its value holds.  A
         save window that opens meanwhile counts them as uncut, so they never break an inventory."""
+        self._owe(keys)
+
+    def _owe(self, keys: Sequence[str]) -> None:
         self._owed_clears.extend(keys)
+        metrics.owed_clears.set(len(self._owed_clears))
 
     async def discard_failed_put(self, keys: Sequence[str]) -> None:
         """Clear what a failed put may have written, at once even inside a save window.
@@ -315,6 +409,8 @@ class DataPlane:
             # Still owed: the next clear (or save window) carries them, so no row is leaked.
             self._owed_clears[:0] = owed
             raise
+        finally:
+            metrics.owed_clears.set(len(self._owed_clears))
 
     def open_save_window(self) -> SaveWindow:
         """From now until ``close_save_window``, clears are deferred and puts recorded (module docstring).
@@ -327,9 +423,20 @@ class DataPlane:
         return self._window
 
     async def close_save_window(self) -> None:
-        """Close the window and carry out the clears it deferred."""
+        """Close the window and carry out the clears it deferred.
+
+        A clear that fails here fails nothing else: the save this window served is good or failed on
+        its own account, and the keys stay owed, carried by the next clear (a window opening
+        meanwhile counts them uncut).  It is logged and counted (``scd_owed_clear_failures_total``).
+        """
         self._window = None
-        await self.clear_owed()
+        try:
+            faults.hit("during_deferred_clear")
+            await self.clear_owed()
+        except Exception as exc:
+            metrics.owed_clear_failures.inc()
+            log.warning("clearing %d TQ keys owed at the close of a save window failed (%s); they stay owed and "
+                        "the next clear retries them", len(self._owed_clears), exc)
 
     async def list_keys(self) -> set[str]:
         """TQ's inventory: every group id in the partition and every staged sibling's key."""
@@ -342,6 +449,13 @@ class DataPlane:
             return keys
 
         return await self._call("list", both)
+
+    async def keys_per_partition(self) -> dict[str, int]:
+        """How many keys each partition TQ holds has: scd's two and any other's (a TQ scd attached to)."""
+        import transfer_queue as tq
+
+        listed = await self._call("list", lambda: tq.async_kv_list())
+        return {partition: len(keys) for partition, keys in listed.items()}
 
     async def clear_all(self) -> None:
         ids = await self.list_keys()

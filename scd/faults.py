@@ -3,7 +3,8 @@
 At the n-th passage (default 1) of a named point the process dies with
 ``os._exit(137)`` (action ``exit``, like a SIGKILL: no cleanup, no flush) or
 the point raises ``OSError(ENOSPC)`` (action ``enospc``, a full disk).  Unset
-in production; ``hit`` is then one dict lookup.
+in production; ``hit`` is then one dict lookup.  In-process tests arm points
+for a block with ``armed``.
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ from __future__ import annotations
 import errno
 import os
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 POINTS = (
     "before_barrier", "in_exclusive_hold", "post_cut_commit", "after_tq_save", "during_deferred_clear",
@@ -34,6 +37,20 @@ def _parse(spec: str) -> dict[str, list[int | str]]:
 
 
 _FAULTS = _parse(os.environ.get("SCD_FAULT", ""))
+
+
+@contextmanager
+def armed(spec: str) -> Iterator[None]:
+    """Inside the block, this process's fault points are the ones ``SCD_FAULT=spec`` names (passages
+    counted from the block's start); the ones before come back after it."""
+    before = dict(_FAULTS)
+    _FAULTS.clear()
+    _FAULTS.update(_parse(spec))
+    try:
+        yield
+    finally:
+        _FAULTS.clear()
+        _FAULTS.update(before)
 
 
 def hit(point: str) -> None:

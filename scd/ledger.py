@@ -114,6 +114,10 @@ class PromptLedger:
         """Every staged sibling's TQ key: part of a cut's exact inventory."""
         return {key for e in self._entries.values() if e.staged for key in e.staged_keys()}
 
+    def staged_count(self) -> int:
+        """How many siblings are staged in TQ (only in-flight entries stage any)."""
+        return sum(len(e.staged) for e in self._entries.values())
+
     def note_redispatch(self, group_id: str, reason: str) -> None:
         """An in-flight group goes to generation again (its last attempt was aborted); keep why."""
         entry = self._entries.get(group_id)

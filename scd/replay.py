@@ -74,6 +74,12 @@ class ReplayIndex:
         self._hashes[group.group_id] = group_hash(group)
         self._sample_ids.update(group.sample_ids)
 
+    def retarget(self, group_id: str, target_step: int | None) -> None:
+        """Give a ready group another target step (a gated sampler's state re-derived at restore)."""
+        group = msgspec.structs.replace(self._groups[group_id], target_step=target_step)
+        self._groups[group_id] = group
+        self._hashes[group_id] = group_hash(group)
+
     def remove(self, group_id: str) -> GroupMeta:
         group = self._groups.pop(group_id)
         del self._hashes[group_id]

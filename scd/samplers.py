@@ -7,19 +7,99 @@ on the trainer's progress; that dispatch state (quota, target steps, refills)
 is in ``state()``, which every cut captures, so they restore from a replay
 checkpoint exactly where they stopped.  A sampler that declares
 ``supports_replay_checkpoint = False`` restores in shadow mode.
+
+At restore, each sampler checks the document it is handed against what the
+restored ledger holds (``check_state``, ``restore_dispatch``): a document that
+could not make progress from there is refused naming its field, never trusted
+into a run that stalls.  A gated sampler counts in steps of ``groups_per_step``
+and records it in its document; restored under another value (an allowed config
+change: it is part of the config fingerprint), it re-derives its state from the
+ledger's dispatched groups instead.
 """
 
 from __future__ import annotations
 
 import importlib
-from collections.abc import Sequence
-from typing import ClassVar
+from collections import Counter
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass
+from typing import ClassVar, cast
 
 import orjson
 
 from scd.config import Config
-from scd.errors import ConfigError
+from scd.errors import ConfigError, InvariantViolation
+from scd.ledger import PromptLedger, PromptState
 from scd.replay import GroupMeta
+
+
+class SamplerStateError(InvariantViolation):
+    """A restored sampler document the sampler cannot resume from; ``field`` names the culprit."""
+
+    def __init__(self, field: str, reason: str) -> None:
+        super().__init__(f"sampler state field {field!r}: {reason}")
+        self.field = field
+
+
+@dataclass(frozen=True, slots=True)
+class DispatchedGroup:
+    """A prompt dispatched and neither trained nor dropped: in flight, or ready in the replay index."""
+
+    group_id: str
+    target_step: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class DispatchView:
+    """What a restored cut's ledger says about dispatch; the sampler state restored with it must agree."""
+
+    trainer_step: int
+    live: tuple[DispatchedGroup, ...]  # in admission order
+
+    @classmethod
+    def of(cls, ledger: PromptLedger, trainer_step: int) -> DispatchView:
+        live = tuple(DispatchedGroup(group_id, entry.target_step) for group_id, entry in ledger.entries().items()
+                     if entry.state in (PromptState.IN_FLIGHT, PromptState.READY))
+        return cls(trainer_step, live)
+
+
+def _require_fields(state: Mapping[str, object], required: Collection[str], optional: Collection[str] = ()) -> None:
+    unknown = sorted(set(state) - set(required) - set(optional))
+    if unknown:
+        raise SamplerStateError(unknown[0], f"is not part of this sampler's state (its fields: "
+                                            f"{sorted({*required, *optional})})")
+    missing = sorted(set(required) - set(state))
+    if missing:
+        raise SamplerStateError(missing[0], "is missing")
+
+
+def _count(state: Mapping[str, object], field: str) -> int:
+    value = state[field]
+    # JSON true is a Python int too: a count must be a real integer.
+    if type(value) is not int or value < 0:
+        raise SamplerStateError(field, f"must be a count (an integer >= 0), got {value!r:.80}")
+    return value
+
+
+def _steps(state: Mapping[str, object], field: str) -> list[int]:
+    value = state[field]
+    if not isinstance(value, list) or any(type(v) is not int or v < 0 for v in value):
+        raise SamplerStateError(field, f"must be a list of step numbers, got {value!r:.80}")
+    return value
+
+
+def _counted_in(state: Mapping[str, object], groups_per_step: int) -> bool:
+    """Whether a gated sampler's document counts in steps of ``groups_per_step``.
+
+    A document that does not say is from before documents recorded it: its bundle's config
+    fingerprint differs too, so it is restored only with --allow-config-change, and re-derived.
+    """
+    if "groups_per_step" not in state:
+        return False
+    recorded = state["groups_per_step"]
+    if type(recorded) is not int or recorded < 1:
+        raise SamplerStateError("groups_per_step", f"must be an integer >= 1, got {recorded!r:.80}")
+    return recorded == groups_per_step
 
 
 class Sampler:
@@ -55,6 +135,28 @@ class Sampler:
     def load_state(self, state: dict[str, object]) -> None:
         self.dispatched = int(state["dispatched"])  # type: ignore[call-overload]
 
+    def check_state(self, state: Mapping[str, object], view: DispatchView) -> None:
+        """Refuse (``SamplerStateError``, naming the field) a restored document this sampler cannot resume
+        from, given the dispatched groups of the restored ledger.
+
+        The base sampler's count gates nothing: its document must have exactly the fields of
+        ``state()``, the count a count.  A sampler whose state gates dispatch checks it against ``view``.
+        """
+        fields = self.state().keys()
+        _require_fields(state, fields)
+        if "dispatched" in fields:
+            _count(state, "dispatched")
+
+    def restore_dispatch(self, state: Mapping[str, object], view: DispatchView) -> dict[str, int | None]:
+        """Resume from a restored document: checked against ``view``, then loaded.
+
+        Returns the target steps it moves, by group id, for the restore to apply to the ledger and
+        the replay index (a gated sampler that re-derives its state); none here.
+        """
+        self.check_state(state, view)
+        self.load_state(dict(state))
+        return {}
+
 
 class WindowedSampler(Sampler):
     """Ungated: oldest in-window groups first."""
@@ -83,6 +185,37 @@ class WeightFifoSampler(Sampler):
         # The quota counts groups that can still be trained: an evicted one frees its slot, or the
         # step it was meant for could never fill.
         self.dispatched -= 1
+
+    def state(self) -> dict[str, object]:
+        return {"dispatched": self.dispatched, "groups_per_step": self.groups_per_step}
+
+    def _dispatched_by(self, view: DispatchView) -> int:
+        """The quota used at ``view``: ``groups_per_step`` for each step trained, one per group still to train."""
+        return view.trainer_step * self.groups_per_step + len(view.live)
+
+    def check_state(self, state: Mapping[str, object], view: DispatchView) -> None:
+        """The quota used must be exactly what the ledger accounts for: a higher one never dispatches
+        enough to fill a step (the run stalls), a lower one dispatches past the staleness window.
+        Counted in another groups_per_step, the document is checked for form only (it is re-derived)."""
+        _require_fields(state, ("dispatched",), ("groups_per_step",))
+        dispatched = _count(state, "dispatched")
+        if not _counted_in(state, self.groups_per_step):
+            return
+        expected = self._dispatched_by(view)
+        if dispatched != expected:
+            raise SamplerStateError("dispatched", f"is {dispatched}, but {view.trainer_step} steps of "
+                                                  f"{self.groups_per_step} groups were trained and the ledger holds "
+                                                  f"{len(view.live)} dispatched groups not trained yet: it must be "
+                                                  f"{expected}")
+
+    def restore_dispatch(self, state: Mapping[str, object], view: DispatchView) -> dict[str, int | None]:
+        """Counted in another groups_per_step, the quota used is re-derived from the ledger (no target
+        steps to move): the groups in flight and ready are trained in the new steps, then dispatch goes on."""
+        if _counted_in(state, self.groups_per_step):
+            return super().restore_dispatch(state, view)
+        self.check_state(state, view)
+        self.dispatched = self._dispatched_by(view)
+        return {}
 
     def select(self, ready: Sequence[GroupMeta], trainer_version: int, trainer_step: int) -> list[GroupMeta]:
         fresh = sorted((g for g in ready if not self.is_stale(g, trainer_version)),
@@ -121,11 +254,71 @@ class InOrderSampler(Sampler):
             self.refill.sort()
 
     def state(self) -> dict[str, object]:
-        return {"dispatched": self.dispatched, "refill": list(self.refill)}
+        return {"dispatched": self.dispatched, "refill": list(self.refill), "groups_per_step": self.groups_per_step}
 
     def load_state(self, state: dict[str, object]) -> None:
         super().load_state(state)
         self.refill = list(state.get("refill", []))  # type: ignore[call-overload]
+
+    def check_state(self, state: Mapping[str, object], view: DispatchView) -> None:
+        """Every dispatched group and every refill names a step not trained yet, and each such step gets
+        exactly its groups from the two: ``groups_per_step`` for a step dispatched whole, the remainder
+        for the step being dispatched, none beyond.  Any other count leaves a step that can never fill
+        (``select`` takes exactly ``groups_per_step``): the run would stall.  Counted in another
+        groups_per_step, the document is checked for form only (it is re-derived)."""
+        _require_fields(state, ("dispatched", "refill"), ("groups_per_step",))
+        dispatched, refill = _count(state, "dispatched"), _steps(state, "refill")
+        step = view.trainer_step
+        for group in view.live:
+            if group.target_step is None or group.target_step < step:
+                raise SamplerStateError("target_step", f"the ledger's dispatched group {group.group_id} has target "
+                                                       f"step {group.target_step}, and the next step to train is "
+                                                       f"{step}: it would never be trained")
+        if refill != sorted(refill) or (refill and refill[0] < step):
+            raise SamplerStateError("refill", f"{refill[:10]} must list steps in order, none before the next step "
+                                              f"to train ({step})")
+        if not _counted_in(state, self.groups_per_step):
+            return
+        per_step = self.groups_per_step
+        if dispatched < step * per_step:
+            raise SamplerStateError("dispatched", f"is {dispatched}, but {step} steps of {per_step} groups were "
+                                                  "trained")
+        next_step, partial = divmod(dispatched, per_step)
+        if next_step - step > len(view.live) + len(refill):
+            raise SamplerStateError("dispatched", f"is {dispatched}: steps {step} to {next_step - 1} would each "
+                                                  f"need {per_step} groups, and the ledger holds {len(view.live)} "
+                                                  f"with {len(refill)} to refill")
+        live = Counter(group.target_step for group in view.live)
+        refills = Counter(refill)
+        for target in sorted({*range(step, next_step + 1), *live, *refills}):
+            needed = per_step if target < next_step else partial if target == next_step else 0
+            have = live[target] + refills[target]
+            if have != needed:
+                # Too many refills for a step the ledger alone does not overfill: the refill is at fault.
+                field = "refill" if live[target] <= needed < have else "dispatched"
+                raise SamplerStateError(field, f"step {target} would get {live[target]} groups from the ledger and "
+                                               f"{refills[target]} refills; with dispatched = {dispatched} and "
+                                               f"groups_per_step = {per_step} it takes exactly {needed}: it "
+                                               "could never be trained")
+
+    def restore_dispatch(self, state: Mapping[str, object], view: DispatchView) -> dict[str, int | None]:
+        """Counted in another groups_per_step, the state is re-derived: the ledger's dispatched groups,
+        in the order of their old target steps, fill the steps from the next one to train on,
+        ``groups_per_step`` each (the last one partly); nothing is left to refill, and dispatch goes on
+        after them.  Returns the groups whose target step moved."""
+        if _counted_in(state, self.groups_per_step):
+            return super().restore_dispatch(state, view)
+        self.check_state(state, view)
+        # check_state proved every target an int; sorted() is stable: admission order within a step.
+        in_order = sorted(view.live, key=lambda group: cast(int, group.target_step))
+        self.dispatched = view.trainer_step * self.groups_per_step + len(in_order)
+        self.refill = []
+        retargets: dict[str, int | None] = {}
+        for position, group in enumerate(in_order):
+            target = view.trainer_step + position // self.groups_per_step
+            if target != group.target_step:
+                retargets[group.group_id] = target
+        return retargets
 
     def select(self, ready: Sequence[GroupMeta], trainer_version: int, trainer_step: int) -> list[GroupMeta]:
         mine = [g for g in ready if g.target_step == trainer_step and not self.is_stale(g, trainer_version)]
@@ -193,8 +386,8 @@ def build_sampler(config: Config) -> Sampler:
         module_name, _, class_name = spec.partition(":")
         try:
             cls = getattr(importlib.import_module(module_name), class_name)
-        except (ImportError, AttributeError) as exc:
-            raise ConfigError(key, f"cannot load custom sampler {spec}: {exc}") from None
+        except Exception as exc:  # importing runs the module: a SyntaxError, or whatever it raises
+            raise ConfigError(key, f"cannot load custom sampler {spec}: {type(exc).__name__}: {exc}") from None
     else:
         cls = BUILTIN_SAMPLERS[spec]
     if not (isinstance(cls, type) and issubclass(cls, Sampler)):

@@ -110,6 +110,9 @@ class TrainingInfo(_Document):
     files: dict[str, str]  # relative path -> BLAKE3 digest, every file but this one and the marker
     sidecar_bytes: int
     data_plane_bytes: int
+    # TQ's storage units when saved: TQ loads a snapshot only into as many.  None in bundles written
+    # before it was recorded (``verify.storage_units_of`` counts their snapshot's unit files).
+    storage_units: int | None = None
 
 
 class LedgerEntryRecord(msgspec.Struct, array_like=True, forbid_unknown_fields=True):

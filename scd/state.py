@@ -30,7 +30,7 @@ from scd.errors import InvariantViolation
 from scd.ledger import DropReason, PromptLedger, PromptState, StagedSiblings, staged_key
 from scd.records import Completion, Rollout
 from scd.replay import GroupMeta, ReplayIndex
-from scd.samplers import Sampler
+from scd.samplers import DispatchView, Sampler
 
 
 class RowStore(Protocol):
@@ -80,7 +80,7 @@ class Restored:
     shadow: bool
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class StateStatistics:
     trainer_step: int
     weight_version: int
@@ -91,6 +91,7 @@ class StateStatistics:
     committed_groups: int
     evicted_stale: int
     ledger: dict[str, int]
+    staged_siblings: int  # finished siblings of in-flight groups staged in TQ now (scd_staged_siblings)
 
 
 class ControllerState:
@@ -113,6 +114,7 @@ class ControllerState:
             trainer_step=self.trainer_step, weight_version=self.weight_version, epoch=self.order.state.epoch,
             replay_groups=len(self.replay), replay_rows=self.replay.rows, in_flight=self.in_flight,
             committed_groups=self.committed_groups, evicted_stale=self.evicted_stale, ledger=self.ledger.counts(),
+            staged_siblings=self.ledger.staged_count(),
         )
 
     # ---- mutations -------------------------------------------------------------------------------
@@ -259,5 +261,11 @@ class ControllerState:
                 # TQ's snapshot was not loaded: staged siblings are generated again.
                 self.ledger.unstage(group_id, self.ledger.entry(group_id).staged)
         else:
-            self.sampler.load_state(restored.sampler_state)
+            # The sampler checks its document against the ledger (re-deriving it if it counts in another
+            # groups_per_step); the target steps it moves, it moves in the ledger and the index here.
+            view = DispatchView.of(self.ledger, self.trainer_step)
+            for group_id, target_step in self.sampler.restore_dispatch(restored.sampler_state, view).items():
+                self.ledger.retarget(group_id, target_step)
+                if group_id in self.replay:
+                    self.replay.retarget(group_id, target_step)
 

@@ -37,6 +37,24 @@ def tq_session() -> Iterator[None]:
     ray.shutdown()
 
 
+@pytest.fixture(autouse=True)
+def leave_the_session_tq_empty(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Every test that used the session's TQ leaves it holding no rows, in any partition.
+
+    The tests share one TQ as runs can share one: a restore refuses to load over another
+    partition's rows (TQ's load would wipe them), so a row one test left would refuse the next
+    test's restore.
+    """
+    yield
+    if "tq_session" not in request.fixturenames:
+        return
+    import transfer_queue as tq
+
+    for partition, keys in tq.kv_list().items():
+        if keys:
+            tq.kv_clear(list(keys), partition)
+
+
 @pytest.fixture
 def partition(tq_session: None) -> str:
     """A fresh TQ partition for one test."""

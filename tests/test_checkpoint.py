@@ -23,15 +23,16 @@ from prometheus_client import REGISTRY
 
 from scd.checkpoint import layout
 from scd.checkpoint.checkpointer import CheckpointFailed
+from scd.checkpoint.restore import keep_history_linear, resolve_bundle
 from scd.checkpoint.verify import BundleError, verify_bundle
 from scd.config import DataPlaneConfig
 from scd.daemon import Controller, Triggers
 from scd.dataplane import DataPlane
-from scd.errors import InvariantViolation
+from scd.errors import ConfigError, InvariantViolation
 from scd.ledger import PromptState
 from scd.replay import GroupMeta, ReplayIndex
 from scd.schema import Outcome, Trigger
-from tests.conftest import REPO, SCD, tiny_config, tree_digest
+from tests.conftest import REPO, SCD, tiny_config, toml_text, tree_digest
 
 PARTITION = "ckpt-golden"
 CHECKPOINTING = {"enabled": True, "interval_s": 3600, "keep_last": 3}
@@ -192,6 +193,10 @@ BROKEN: list[tuple[str, Callable[[Path], None], str]] = [
     ("no dataloader file",
      lambda b: ((b / layout.DATALOADER_FILE).unlink(), reseal(b)),
      "train_dataloader.json is not part of the bundle"),
+    # Re-signed (marker recomputed): step and weight_version advance together from 0.
+    ("step and weight_version disagree",
+     lambda b: edit_json(b, layout.TRAINING_INFO_FILE, lambda d: d.update(weight_version=d["weight_version"] + 1)),
+     "records step 6 but weight_version 7"),
 ]
 
 
@@ -332,9 +337,53 @@ async def test_corrupt_newest_names_the_newest_good_bundle(golden: dict[str, Any
     with pytest.raises(InvariantViolation) as info:
         await restore_into_fresh_controller(config_for(root))
     text = str(info.value)
-    assert "step_00000006" in text and "--restore-from" in text and str(root / "step_00000003") in text
-    controller = await restore_into_fresh_controller(config_for(root), restore_from=root / "step_00000003")
+    good = root / "step_00000003"
+    assert "step_00000006" in text and f"restart with --restore-from {good} --discard-newer" in text
+    # What `scd run --restore-from GOOD --discard-newer` does before Ray starts; the corrupt bundle is kept.
+    with pytest.raises(ConfigError, match="--discard-newer"):
+        await restore_into_fresh_controller(config_for(root), restore_from=good)
+    keep_history_linear(root, good, discard_newer=True)
+    controller = await restore_into_fresh_controller(config_for(root), restore_from=good)
     assert controller.state.trainer_step == 3
+    [moved] = (root / layout.ABANDONED_DIR).iterdir()
+    assert (moved / "step_00000006" / layout.SIDECAR_FILE).read_bytes() == b"{"
+
+
+def test_scd_run_restoring_a_bundle_that_fails_verification_names_a_good_older_one(
+    golden: dict[str, Any], tmp_path: Path
+) -> None:
+    """Chosen with --restore-from or not, a bundle that does not verify names the newest older one that does."""
+    root = copy_bundles(golden, tmp_path)
+    bad, good = newest(root), root / "step_00000003"
+    (bad / layout.SIDECAR_FILE).write_bytes((bad / layout.SIDECAR_FILE).read_bytes()[:100])
+    before = tree_digest(root)
+    config = tmp_path / "scd.toml"
+    config.write_text(toml_text({"run": {"output_dir": str(tmp_path / "out")}, "telemetry": {"metrics_port": 0},
+                                 "checkpointing": {"enabled": True, "dir": str(root)}}))
+    out = subprocess.run([*SCD, "run", str(config), "--restore-from", str(bad)], cwd=REPO, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 3, out.stderr[-3000:]
+    assert f"checkpoint {bad}: " in out.stderr and "does not match its BLAKE3 digest" in out.stderr
+    assert f"restart with --restore-from {good} --discard-newer" in out.stderr, out.stderr[-3000:]
+    assert tree_digest(root) == before
+
+
+def test_abandoned_bundles_are_never_restored_listed_or_retained(tmp_path: Path) -> None:
+    from scd.checkpoint.save import apply_retention
+
+    moved = tmp_path / layout.ABANDONED_DIR / "20261201T000000.000000Z"
+    kept = [layout.step_dir(tmp_path, step) for step in (1, 2, 3)]
+    for bundle in [*kept, layout.step_dir(moved, 9)]:
+        bundle.mkdir(parents=True)
+        (bundle / layout.COMMIT_MARKER).write_text("x")
+    (layout.step_dir(moved, 9) / layout.LEGACY_REPLAY_FILE).write_bytes(b"x")
+    before = tree_digest(moved)
+    # Had retention counted the abandoned step 9 as the newest, it would have deleted step 2 too.
+    apply_retention(tmp_path, keep_last=2, written=kept[-1])
+    assert layout.finalized_bundles(tmp_path) == kept[1:]
+    assert not layout.leftover_tmp_dirs(tmp_path)
+    assert resolve_bundle(tmp_path, None) == kept[-1]  # and the legacy file there refuses nothing
+    assert tree_digest(moved) == before
 
 
 async def test_leftover_tmp_is_removed_and_never_restored(golden: dict[str, Any], tmp_path: Path) -> None:
@@ -428,8 +477,8 @@ async def test_io_failures_are_retried_then_stop_the_daemon_leaving_bundles_inta
     assert not layout.leftover_tmp_dirs(root)
 
 
-@pytest.mark.parametrize(("name", "breaker", "message"), BROKEN[:3] + BROKEN[6:10], ids=[
-    b[0] for b in BROKEN[:3] + BROKEN[6:10]])
+@pytest.mark.parametrize(("name", "breaker", "message"), BROKEN[:3] + BROKEN[6:10] + BROKEN[-1:], ids=[
+    b[0] for b in BROKEN[:3] + BROKEN[6:10] + BROKEN[-1:]])
 def test_scd_checkpoint_verify_rejects_offline(golden: dict[str, Any], tmp_path: Path, name: str,
                                                breaker: Callable[[Path], None], message: str) -> None:
     root = copy_bundles(golden, tmp_path)
@@ -452,7 +501,7 @@ def test_scd_checkpoint_inspect_and_list(golden: dict[str, Any]) -> None:
     for key in ("step", "weight_version", "epoch", "sampler", "groups", "samples", "ledger", "sidecar_bytes",
                 "data_plane_bytes", "digest"):
         assert key in summary
-    assert summary["step"] == 6 and summary["sampler"] == "windowed"
+    assert summary["step"] == 6 and summary["sampler"] == "windowed" and summary["storage_units"] == 1
     assert summary["ledger"]["ready"] == summary["groups"] == golden["groups"]
     listing = subprocess.run([*SCD, "checkpoint", "list", str(root)], cwd=REPO, capture_output=True, text=True,
                              timeout=120)

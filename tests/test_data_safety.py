@@ -28,10 +28,10 @@ from scd.checkpoint.verify import verify_bundle
 from scd.config import DataPlaneConfig
 from scd.daemon import Controller, Triggers
 from scd.dataplane import DataPlane
-from scd.errors import DataPlaneError, InvariantViolation
+from scd.errors import ConfigError, DataPlaneError, InvariantViolation
 from scd.generation.base import GroupRequest, GroupResult
 from scd.ledger import PromptState
-from scd.records import Rollout
+from scd.records import Completion, FinishReason, Rollout
 from scd.schema import Outcome, Trigger
 from tests.conftest import tiny_config, tree_digest
 
@@ -559,20 +559,45 @@ async def test_restore_refuses_a_data_plane_that_served_operations_or_holds_rows
     await clear_partition(GOLDEN)
 
 
-async def test_tq_load_replaces_all_tq_state(golden: dict[str, Any], tmp_path: Path) -> None:
+async def raw_values(partition: str, keys: list[str]) -> list[bytes]:
+    """The stored bytes of ``keys``, exactly as TQ holds them."""
+    import transfer_queue as tq
+
+    return (await tq.async_kv_batch_get(keys=keys, partition_id=partition)).get("group").tolist()
+
+
+async def test_restore_refuses_while_another_partition_holds_rows_and_leaves_them_bit_for_bit(
+    golden: dict[str, Any], tmp_path: Path
+) -> None:
+    """TQ's load replaces all of TQ's state: rows of a partition scd does not own are never wiped."""
     root = copy_bundles(golden, tmp_path)
     bundle = layout.finalized_bundles(root)[-1]
-    bundle_ids = {g.group_id for g in verify_bundle(bundle).sidecar.groups}
     await clear_partition(GOLDEN)
-    sentinel = await put_sentinel()
+    other = dataplane_for(f"other-run-{uuid.uuid4().hex[:8]}")
+    await other.put_group("g0", [a_rollout(0), a_rollout(1)])
+    await other.put_group("g1", [a_rollout(2)])
+    await other.put_siblings(["g2/0/v0"], [Completion([1, 2], [-0.5, -0.25], FinishReason.STOP, 0)])
+    stored = await raw_values(other.partition, ["g0", "g1"]), await raw_values(other.staging, ["g2/0/v0"])
     # A window wide enough that no restored group is evicted as stale (an eviction clears its rows).
     config = config_for(root, GOLDEN, async_rl={"sampler": {"name": "windowed", "max_staleness_versions": 100}})
     async with Controller.open(config) as controller:
+        with pytest.raises(ConfigError) as info:
+            await controller.restore(allow_config_change=True)
+        assert info.value.exit_code == 2
+        message = str(info.value)
+        assert f"{other.partition!r} (2 keys)" in message and f"{other.staging!r} (1 keys)" in message, message
+        assert "data_plane.ray.address" in message
+        assert controller.state.trainer_step == 0 and len(controller.state.replay) == 0
+        assert await controller.dataplane.list_keys() == set()  # the snapshot was not loaded
+    assert (await raw_values(other.partition, ["g0", "g1"]), await raw_values(other.staging, ["g2/0/v0"])) == stored
+    assert await other.list_keys() == {"g0", "g1", "g2/0/v0"}
+
+    # Control: with the other run's rows gone, the same restore loads the bundle.
+    await other.clear_all()
+    async with Controller.open(config) as controller:
         await controller.restore(allow_config_change=True)
         assert controller.state.trainer_step == layout.step_of(bundle)
-        assert len(controller.state.replay) == len(verify_bundle(bundle).sidecar.groups) > 0
-        assert await controller.dataplane.list_keys() == bundle_ids
-    assert await sentinel.list_keys() == set()  # put before the load, gone after it
+        assert await controller.dataplane.list_keys() == {g.group_id for g in verify_bundle(bundle).sidecar.groups}
     await clear_partition(GOLDEN)
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import orjson
 
 from scd.checkpoint import layout
-from scd.checkpoint.verify import verify_bundle
+from scd.checkpoint.verify import storage_units_of, verify_bundle
 from tests.conftest import ScdProcess, free_port, tree_digest, write_config
 
 
@@ -185,3 +185,86 @@ def test_healthz_names_a_checkpoint_failure_streak_and_a_stalled_loop(tmp_path: 
     wait_for_health(port, 503, "event loop fell")
     scd.signal(signal.SIGTERM)
     assert scd.wait(timeout=120) == 0, scd.output()[-3000:]
+
+
+def run_to_the_end(config: Path, scd_processes: list[ScdProcess], *args: str) -> ScdProcess:
+    scd = ScdProcess(config, *args)
+    scd_processes.append(scd)
+    scd.wait(timeout=300)
+    return scd
+
+
+def test_restoring_an_older_bundle_is_refused_unless_discard_newer_moves_the_newer_ones_aside(
+    tmp_path: Path, scd_processes: list[ScdProcess]
+) -> None:
+    """Continuing from an older bundle forks the run; scd says so, and --discard-newer keeps the fork linear."""
+    config = write_config(tmp_path, max_steps=100,
+                          extra="\n[checkpointing]\nenabled = true\ninterval_s = 3600\nkeep_last = 3\n")
+    root = tmp_path / "out" / "checkpoints"
+    for steps in ("2", "4"):
+        first = run_to_the_end(config, scd_processes, "--max-steps", steps)
+        assert first.proc.returncode == 0, first.output()[-3000:]
+    older, newer = layout.step_dir(root, 2), layout.step_dir(root, 4)
+    assert layout.finalized_bundles(root) == [older, newer]
+    newer_digest, before = tree_digest(newer), tree_digest(root)
+
+    # Refused with exit 2 (a usage error: every bundle is sound), before Ray starts, nothing changed.
+    refused = run_to_the_end(config, scd_processes, "--restore-from", str(older), "--max-steps", "4")
+    out = refused.output()
+    assert refused.proc.returncode == 2, out[-3000:]
+    assert "--restore-from" in out and newer.name in out and "--discard-newer" in out, out[-3000:]
+    assert "Traceback" not in out and "TransferQueue" not in out
+    assert tree_digest(root) == before  # so a plain restart resumes step 4, the run last run
+
+    # With --discard-newer: the newer bundle is moved, whole, and the run's own step 4 is written.
+    forked = run_to_the_end(config, scd_processes, "--restore-from", str(older), "--discard-newer",
+                            "--max-steps", "4")
+    out = forked.output()
+    assert forked.proc.returncode == 0, out[-3000:]
+    assert f"restored {older}: step 2," in out and "checkpoint step_00000004 (final)" in out, out[-3000:]
+    assert "exists already" not in out
+    [moved] = (root / layout.ABANDONED_DIR).iterdir()
+    assert [p.name for p in moved.iterdir()] == [newer.name] and tree_digest(moved / newer.name) == newer_digest
+    assert layout.finalized_bundles(root) == [older, newer] and tree_digest(newer) != newer_digest
+    verify_bundle(newer)
+    assert (root / layout.LATEST).read_text() == newer.name
+
+    # The next plain restart resumes the run continued from step 2; retention never sees abandoned/.
+    plain = run_to_the_end(config, scd_processes, "--max-steps", "5")
+    out = plain.output()
+    assert plain.proc.returncode == 0, out[-3000:]
+    assert f"restored {newer}: step 4," in out, out[-3000:]
+    assert [layout.step_of(b) for b in layout.finalized_bundles(root)] == [2, 4, 5]
+    assert tree_digest(moved / newer.name) == newer_digest
+
+
+def test_a_bundle_of_another_storage_unit_count_exits_3_naming_the_key_before_tq_loads(
+    tmp_path: Path, scd_processes: list[ScdProcess]
+) -> None:
+    checkpointing = "\n[checkpointing]\nenabled = true\ninterval_s = 3600\n"
+    config = write_config(tmp_path, max_steps=100, extra=checkpointing)
+    two_units = config.read_text().replace("[data_plane.ray]", "[data_plane]\nstorage_units = 2\n\n[data_plane.ray]")
+    one_unit = config.read_text()
+    config.write_text(two_units)
+    first = run_to_the_end(config, scd_processes, "--max-steps", "1")
+    assert first.proc.returncode == 0, first.output()[-3000:]
+    root = tmp_path / "out" / "checkpoints"
+    [bundle] = layout.finalized_bundles(root)
+    assert verify_bundle(bundle).info.storage_units == 2
+    before = tree_digest(root)
+
+    config.write_text(one_unit)
+    second = run_to_the_end(config, scd_processes, "--max-steps", "2")
+    out = second.output()
+    assert second.proc.returncode == 3, out[-3000:]
+    assert "data_plane.storage_units" in out and "2 storage unit(s)" in out and "data_plane.storage_units is 1" in out
+    assert str(bundle) in out and "Traceback" not in out and "Storage unit count mismatch" not in out, out[-3000:]
+    assert tree_digest(root) == before
+
+    # A bundle written before scd recorded the count still says how many units its snapshot holds.
+    info = orjson.loads((bundle / layout.TRAINING_INFO_FILE).read_bytes())
+    del info["storage_units"]
+    (bundle / layout.TRAINING_INFO_FILE).write_bytes(orjson.dumps(info))
+    (bundle / layout.COMMIT_MARKER).write_text(layout.sha256_file(bundle / layout.TRAINING_INFO_FILE))
+    verified = verify_bundle(bundle)
+    assert verified.info.storage_units is None and storage_units_of(verified.info) == 2

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import time
 
@@ -175,4 +176,22 @@ def test_a_bad_custom_sampler_exits_2_before_ray_starts(tmp_path):
     assert "config key 'async_rl.sampler.name'" in out.stderr and "gates dispatch" in out.stderr
     assert "Traceback" not in out.stderr
     # Ray never started: no Ray banner and it took far less than a Ray start-up.
+    assert "ray" not in out.stderr.lower() and time.monotonic() - started < 30
+
+
+@pytest.mark.parametrize(("source", "error"), [
+    ("class Broken(:\n", "SyntaxError"),
+    ("raise RuntimeError('needs a GPU at import')\n", "RuntimeError: needs a GPU at import"),
+], ids=["syntax error", "error at import"])
+def test_a_custom_sampler_module_that_fails_to_import_exits_2_before_ray_starts(tmp_path, source, error):
+    (tmp_path / "broken_sampler.py").write_text(source)
+    config = tmp_path / "scd.toml"
+    config.write_text('[async_rl.sampler]\nname = "broken_sampler:Sampler"\n')
+    started = time.monotonic()
+    out = subprocess.run([*SCD, "run", str(config)], cwd=REPO, capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": os.pathsep.join(
+                             filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))})
+    assert out.returncode == 2, out.stderr
+    assert "config key 'async_rl.sampler.name'" in out.stderr and "broken_sampler:Sampler" in out.stderr
+    assert error in out.stderr and "Traceback" not in out.stderr, out.stderr
     assert "ray" not in out.stderr.lower() and time.monotonic() - started < 30

@@ -246,3 +246,36 @@ async def test_staged_siblings_outside_the_window_are_generated_again(partition:
         assert controller.state.ledger.entry(restored_request.group_id).staged == ()
         assert await controller.dataplane.list_keys() == set()
         assert controller._request(restored_request.group_id).siblings == tuple(range(8))
+
+
+async def test_staged_siblings_are_counted_while_staged_and_not_once_their_groups_commit(
+    partition: str, tmp_path: Path
+) -> None:
+    """``StateStatistics.staged_siblings`` (the scd_staged_siblings gauge) is the ledger's staged count."""
+    config = tiny_config(tmp_path, partition, generation=SYNTHETIC)
+    async with Controller.open(config) as controller:
+        state = controller.state
+        requests = [await controller.admit() for _ in range(4)]
+        to_commit, commit_in = anyio.create_memory_object_stream[CommitItem](math.inf)
+        seen: list[tuple[int, int]] = []  # (statistics, the ledger's staged keys) while generating
+
+        def report(request: GroupRequest, index: int, completion: Completion) -> None:
+            controller.on_sibling(request, index, completion, to_commit)
+
+        async def observe() -> None:
+            while True:
+                seen.append((state.statistics().staged_siblings, len(state.ledger.staged_keys())))
+                await anyio.sleep(0.005)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(controller.committer, commit_in)
+            tg.start_soon(observe)
+            for result in await controller.backend.generate(requests, report):
+                assert await controller.gather(result, to_commit)
+            await wait_for(lambda: controller.awaiting_commit == 0)
+            tg.cancel_scope.cancel()
+        assert all(counted == staged for counted, staged in seen)
+        assert max(counted for counted, _ in seen) > 0
+        stats = state.statistics()
+        assert stats.staged_siblings == 0 and stats.ledger["ready"] == 4
+        await controller.dataplane.clear_all()

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from scd.checkpoint import layout
-from scd.checkpoint.verify import verify_bundle
+from scd.checkpoint.verify import storage_units_of, verify_bundle
 
 
 def list_bundles(root: Path) -> list[dict[str, object]]:
@@ -26,8 +26,9 @@ def inspect_bundle(path: Path) -> dict[str, object]:
     return {
         "path": str(path), "step": info.step, "weight_version": info.weight_version, "epoch": info.epoch,
         "sampler": info.sampler, "supports_replay_checkpoint": info.supports_replay_checkpoint,
-        "partition": info.partition, "groups": info.groups, "samples": info.samples,
-        "group_size": info.group_size, "ledger": verified.ledger.counts(), "sidecar_bytes": info.sidecar_bytes,
+        "partition": info.partition, "storage_units": storage_units_of(info), "groups": info.groups,
+        "samples": info.samples, "group_size": info.group_size, "ledger": verified.ledger.counts(),
+        "sidecar_bytes": info.sidecar_bytes,
         "data_plane_bytes": info.data_plane_bytes, "digest": info.replay_digest, "capacity": info.capacity,
         "time": info.time, "config_fingerprint": info.config_fingerprint,
     }

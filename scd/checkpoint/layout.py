@@ -25,6 +25,9 @@ DATA_PLANE_DIR = "data_plane"
 COMMIT_MARKER = "COMMITTED"
 LEGACY_REPLAY_FILE = "replay_buffer.pt"
 LATEST = "latest"
+# Bundles of a history a ``--discard-newer`` restore left behind, kept in ``abandoned/<time>/``: no
+# step directory name matches there, so no restore or retention ever sees them.
+ABANDONED_DIR = "abandoned"
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 DIR_MODE = 0o700

@@ -9,6 +9,7 @@ its own: a group can only ever name its own rows.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -64,6 +65,18 @@ def check_group(group: GroupMeta, group_size: int) -> str:
     return ""
 
 
+# TQ 0.1.11's SimpleStorage writes one ``simple_storage/su_<position>_<unit id>.pkl`` per unit.
+_STORAGE_UNIT_FILE = re.compile(rf"^{layout.DATA_PLANE_DIR}/simple_storage/su_\d+_[^/]+\.pkl$")
+
+
+def storage_units_of(info: TrainingInfo) -> int:
+    """TQ storage units the bundle's snapshot was saved from: recorded, or (a bundle written before
+    scd recorded it) counted from the unit files of TQ's snapshot, one per unit."""
+    if info.storage_units is not None:
+        return info.storage_units
+    return sum(1 for name in info.files if _STORAGE_UNIT_FILE.match(name))
+
+
 def verify_bundle(bundle: Path) -> VerifiedBundle:
     """Schema, file digests, each group, sidecar digest and counts, ledger consistency; raises ``BundleError``."""
     _require(bundle.is_dir(), bundle, "is not a directory")
@@ -78,6 +91,12 @@ def verify_bundle(bundle: Path) -> VerifiedBundle:
         raise BundleError(bundle, str(exc)) from None
     _require(marker.read_bytes().decode(errors="replace") == layout.sha256_file(bundle / layout.TRAINING_INFO_FILE),
              bundle, f"{layout.TRAINING_INFO_FILE} does not match its commit marker (edited after finalize)")
+    # Every train step advances both by one from 0 (``ControllerState.finish_step``) and a restore
+    # installs both as recorded: where they differ the bundle was edited or written wrong, and every
+    # staleness decision after the restore would be off by the difference.
+    _require(info.weight_version == info.step, bundle,
+             f"{layout.TRAINING_INFO_FILE} records step {info.step} but weight_version {info.weight_version}; "
+             "every train step advances both by one from 0, so they must be equal")
 
     present = {str(p.relative_to(bundle)) for p in bundle.rglob("*") if p.is_file()}
     present -= {layout.TRAINING_INFO_FILE, layout.COMMIT_MARKER}

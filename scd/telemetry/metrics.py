@@ -91,3 +91,15 @@ recovery_siblings_rerun = Counter(
 siblings_staged = Counter(
     "scd_siblings_staged", "Finished siblings staged in TQ while others of their group still ran"
 )
+staged_siblings = Gauge("scd_staged_siblings", "Finished siblings of in-flight groups staged in TQ now")
+
+# ---- data plane --------------------------------------------------------------------------------
+owed_clears = Gauge(
+    "scd_owed_clears",
+    "TQ keys whose clear is owed (deferred by a save window, or left by a clear that failed): the next clear "
+    "carries them",
+)
+owed_clear_failures = Counter(
+    "scd_owed_clear_failures",
+    "Owed TQ clears that failed when a save window closed; the keys stay owed and the next clear retries them",
+)

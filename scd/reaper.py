@@ -1,0 +1,142 @@
+"""The embedded Ray's reaper: a process that outlives scd to kill what scd's Ray left behind.
+
+Ray ties only its GCS and raylet to the thread that started them (PR_SET_PDEATHSIG).  When an
+OOM kill or SIGKILL took scd, Ray's dashboard and runtime-env agents and TQ's actors lived on
+for a minute or more, holding memory and ports, while the next scd started.
+
+scd starts this process before its embedded Ray, in a session of its own (a signal to scd's
+process group or terminal does not reach it), and gives that Ray a temp directory of its own.
+Ray points the output of every process it starts at log files there, so a process holding a file
+open under that directory is one of this Ray's: that is what the reaper kills by, never a name, a
+process group it does not own, or ``ray stop`` (other Ray processes on the machine are not
+scd's).  An environment variable would not do: Ray's agents and workers overwrite the start of
+their environment block when they set their process title.
+
+When scd exits, however it exits, or when scd asks with SIGUSR1 (after its own
+``ray.shutdown``), the reaper SIGKILLs those processes until none is left, removes the
+directory, and exits.  It ignores SIGTERM and SIGINT: a stop signal sent to everything of scd's
+must not end it while scd still drains.
+
+Standard library only, so that it is watching within milliseconds:
+``python -m scd.reaper OWNER_PID RAY_TEMP_DIR``; it writes ``READY`` on stdout once it watches.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import shutil
+import signal
+import sys
+import time
+from collections.abc import Iterator, Sequence
+
+READY = b"READY\n"
+# Once the GCS and raylet are gone nothing starts new Ray processes, so a few rounds empty the
+# machine of them; the bound only keeps a reaper from spinning on a process that does not die.
+SWEEP_LIMIT_S = 10.0
+
+
+def _holds_file_under(pid: int, prefix: str) -> bool:
+    """Whether ``pid`` has a file open whose path starts with ``prefix`` (False if gone or not ours to see)."""
+    fd_dir = f"/proc/{pid}/fd"
+    try:
+        fds = os.listdir(fd_dir)
+    except OSError:
+        return False
+    for fd in fds:
+        try:
+            if os.readlink(f"{fd_dir}/{fd}").startswith(prefix):
+                return True
+        except OSError:
+            continue
+    return False
+
+
+def _name(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/comm") as f:
+            return f.read().strip()
+    except OSError:
+        return "?"
+
+
+def _other_pids(spared: set[int]) -> Iterator[int]:
+    for name in os.listdir("/proc"):
+        if name.isdigit() and int(name) not in spared:
+            yield int(name)
+
+
+def sweep(directory: str, spared: set[int]) -> list[str]:
+    """SIGKILL every process holding a file open under ``directory`` until two rounds in a row find
+    none (a raylet killed mid-fork may still hand its child the log files); those killed, as ``name (pid)``."""
+    prefix = os.path.join(os.path.realpath(directory), "")
+    killed: dict[int, str] = {}
+    quiet_rounds = 0
+    deadline = time.monotonic() + SWEEP_LIMIT_S
+    while quiet_rounds < 2 and time.monotonic() < deadline:
+        found = False
+        for pid in _other_pids(spared):
+            if not _holds_file_under(pid, prefix):
+                continue
+            try:
+                pidfd = os.pidfd_open(pid)
+            except OSError:
+                continue
+            try:
+                # Look again now that the pidfd pins one process: the pid may have been reused since.
+                if _holds_file_under(pid, prefix):
+                    killed.setdefault(pid, _name(pid))
+                    signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+                    found = True
+            except ProcessLookupError:
+                pass
+            finally:
+                os.close(pidfd)
+        quiet_rounds = 0 if found else quiet_rounds + 1
+        time.sleep(0.1)
+    return [f"{name} ({pid})" for pid, name in killed.items()]
+
+
+def watch(owner: int) -> str:
+    """Block until ``owner`` exits or sends SIGUSR1; which of the two happened."""
+    wake_read, wake_write = os.pipe()
+    os.set_blocking(wake_write, False)
+    signal.set_wakeup_fd(wake_write)
+    # A handler, not SIG_IGN: only a handled signal reaches the wakeup fd.
+    signal.signal(signal.SIGUSR1, lambda *_: None)
+    try:
+        owner_fd = os.pidfd_open(owner)
+    except ProcessLookupError:
+        return "exited"
+    if os.getppid() != owner:
+        # The owner (our parent) died before its pidfd was opened; the pid may name another process now.
+        return "exited"
+    sys.stdout.buffer.write(READY)
+    sys.stdout.buffer.flush()
+    poller = select.poll()
+    poller.register(owner_fd, select.POLLIN)
+    poller.register(wake_read, select.POLLIN)
+    ready = {fd for fd, _ in poller.poll()}
+    return "exited" if owner_fd in ready else "asked"
+
+
+def main(argv: Sequence[str]) -> int:
+    if len(argv) != 2:
+        print("usage: python -m scd.reaper OWNER_PID RAY_TEMP_DIR", file=sys.stderr)
+        return 2
+    owner, directory = int(argv[0]), argv[1]
+    for stop in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(stop, signal.SIG_IGN)
+    reason = watch(owner)
+    killed = sweep(directory, spared={os.getpid(), owner})
+    shutil.rmtree(directory, ignore_errors=True)
+    if killed:
+        why = f"scd (pid {owner}) exited" if reason == "exited" else f"scd (pid {owner}) shut its Ray down"
+        print(f"scd reaper: {why}; killed what its embedded Ray left: {', '.join(killed)}", file=sys.stderr,
+              flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
