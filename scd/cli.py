@@ -1,4 +1,4 @@
-"""``scd``: command-line entry point and exit codes (DESIGN §8)."""
+"""``scd``: command-line entry point and exit codes."""
 
 from __future__ import annotations
 

@@ -162,7 +162,7 @@ class Config(_Section):
     telemetry: TelemetryConfig = msgspec.field(default_factory=TelemetryConfig)
 
     def fingerprint_fields(self) -> dict[str, object]:
-        """The settings that change what a stored rollout means (DESIGN §4).
+        """The settings that change what a stored rollout means.
 
         A JSONL task counts by content, not by path: a file edited in place changes
         what every stored prompt id means.

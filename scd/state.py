@@ -80,7 +80,7 @@ class Restored:
     shadow: bool
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class StateStatistics:
     trainer_step: int
     weight_version: int
@@ -114,6 +114,10 @@ class ControllerState:
             replay_groups=len(self.replay), replay_rows=self.replay.rows, in_flight=self.in_flight,
             committed_groups=self.committed_groups, evicted_stale=self.evicted_stale, ledger=self.ledger.counts(),
         )
+
+    def window_start(self) -> int:
+        """The oldest weight version whose rollouts a train step may still take."""
+        return self.weight_version - self.sampler.max_staleness_versions
 
     # ---- mutations -------------------------------------------------------------------------------
 
