@@ -24,7 +24,9 @@ deadline, then the last checkpoint is written and must succeed.
 from __future__ import annotations
 
 import logging
+import statistics
 import time
+from collections import deque
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -34,7 +36,7 @@ import anyio
 import torch
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from scd import systemd
+from scd import faults, systemd
 from scd.barrier import CheckpointBarrier, MutationKind
 from scd.checkpoint.checkpointer import Checkpointer
 from scd.checkpoint.restore import RestoreParts, RestoreReport, restore_state
@@ -61,6 +63,7 @@ DRAIN_DEADLINE_S = 30.0
 # /healthz calls the loop behind when a probe woke this much late within the last LOOP_STALL_WINDOW_S.
 LOOP_BEHIND_S = 1.0
 LOOP_STALL_WINDOW_S = 30.0
+RECENT_STEPS = 32  # step times the stall limit's median is taken over
 
 
 @dataclass(slots=True)
@@ -102,6 +105,9 @@ class Controller:
         self._checkpoint_due: Trigger | None = None
         self._last_step_mark = (time.monotonic(), 0, 0, 0)
         self._last_read_s = 0.0  # how long the last train step waited for its rows from TQ
+        self._step_times: deque[float] = deque(maxlen=RECENT_STEPS)  # seconds between recent steps
+        self._last_progress = time.monotonic()  # the last step's end, or the run's start
+        self._stalled = ""  # why training looks stalled, or "" (what /healthz reports)
         for phase in RestorePhase:
             metrics.restore_phase.labels(phase.value)
 
@@ -165,7 +171,7 @@ class Controller:
                     f"data_plane.call_timeout_s = {self.config.data_plane.call_timeout_s}s")
         if self.checkpointer is not None and self.checkpointer.consecutive_failures:
             return f"checkpointing failed {self.checkpointer.consecutive_failures} time(s) in a row"
-        return ""
+        return self._stalled
 
     def _notify(self) -> None:
         """Wake every task waiting for capacity or ready groups."""
@@ -195,6 +201,7 @@ class Controller:
                 await self.wait_for_capacity()
                 if self._shutdown.is_set():
                     return
+                await faults.wait_at("before_dispatch")
                 await to_generation.send(await self.rollouts.admit())
 
     async def generation_pump(self, requests: MemoryObjectReceiveStream[GroupRequest]) -> None:
@@ -278,6 +285,8 @@ class Controller:
         last_at, last_groups, last_committed, last_tokens = self._last_step_mark
         self._last_step_mark = (now, groups_done, committed, tokens)
         elapsed = max(now - last_at, 1e-9)
+        self._step_times.append(now - self._last_progress)
+        self._last_progress, self._stalled = now, ""
         await self.events.emit(
             "train_step", state.trainer_step, epoch=state.order.state.epoch, weight_version=state.weight_version,
             reward_mean=result.reward_mean, loss=result.loss, clip_fraction=result.clip_fraction,
@@ -350,6 +359,7 @@ class Controller:
             tg.start_soon(self.generation_pump, generation_in, name="generation_pump")
             tg.start_soon(systemd.feed_watchdog, name="watchdog")
             tg.start_soon(self.loop_probe, name="loop_probe")
+            tg.start_soon(self.stall_watch, name="stall_watch")
             if self.checkpointer is not None:
                 await tg.start(self.checkpointer.run_writer, name="checkpoint_writer")
                 tg.start_soon(self.checkpoint_scheduler, triggers, name="checkpoint_scheduler")
@@ -358,6 +368,7 @@ class Controller:
             train_scope = anyio.CancelScope()
             tg.start_soon(self.drain, train_scope, drain_deadline_s, name="drain")
             systemd.notify("READY=1")
+            self._last_progress = time.monotonic()
             self.ready = True
             self._publish_gauges()
             with train_scope:
@@ -392,6 +403,29 @@ class Controller:
                 committed_groups=stats.committed_groups, generated_tokens=self.backend.generated_tokens(),
                 ledger=stats.ledger,
             )
+
+    def stall_limit_s(self) -> float:
+        """How long the run may go without a train step before it is called stalled."""
+        telemetry = self.config.telemetry
+        recent = statistics.median(self._step_times) if self._step_times else 0.0
+        return max(telemetry.stall_after_s, telemetry.stall_after_steps * recent)
+
+    async def stall_watch(self, period_s: float = 1.0) -> None:
+        """No train step for longer than ``stall_limit_s`` while the run serves: /healthz answers 503
+        with why, and one ``stall`` event is logged per stall (a step ends it)."""
+        while True:
+            await anyio.sleep(period_s)
+            idle_s, limit_s = time.monotonic() - self._last_progress, self.stall_limit_s()
+            if not self.ready or idle_s <= limit_s or self._stalled:
+                continue
+            state, rollouts = self.state.statistics(), self.rollouts.statistics()
+            self._stalled = (f"no train step for {idle_s:.0f}s (limit {limit_s:.0f}s): {state.in_flight} prompts "
+                             f"in flight, {rollouts.awaiting_commit} awaiting commit, {state.replay_groups} groups "
+                             "ready")
+            log.warning("training stalled: %s", self._stalled)
+            await self.events.emit("stall", state.trainer_step, idle_s=idle_s, limit_s=limit_s,
+                                   in_flight=state.in_flight, awaiting_commit=rollouts.awaiting_commit,
+                                   replay_groups=state.replay_groups)
 
     async def loop_probe(self, period_s: float = 0.05) -> None:
         while True:

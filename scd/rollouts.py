@@ -34,7 +34,7 @@ from dataclasses import dataclass, replace
 import anyio
 import torch
 from anyio.abc import TaskStatus
-from anyio.streams.memory import MemoryObjectSendStream
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from scd.config import Config
 from scd.errors import InvariantViolation
@@ -231,33 +231,51 @@ class Rollouts:
         """
         to_commit, items = anyio.create_memory_object_stream[CommitItem](math.inf)
         self._to_commit = to_commit
+        held: CommitItem | None = None
         try:
-            async with to_commit, items:
-                task_status.started()
-                held: CommitItem | None = None
-                while True:
-                    item, held = (held, None) if held is not None else (await items.receive(), None)
-                    if isinstance(item, SiblingFinished):
-                        batch = [item]
-                        while len(batch) < STAGE_BATCH_MAX:
-                            try:
-                                following = items.receive_nowait()
-                            except anyio.WouldBlock:
-                                break
-                            if not isinstance(following, SiblingFinished):
-                                held = following
-                                break
-                            batch.append(following)
-                        await self._stage(batch)
-                    elif isinstance(item, SiblingsStale):
-                        await self._unstage(item)
-                    else:
+            task_status.started()
+            while True:
+                item, held = (held, None) if held is not None else (await items.receive(), None)
+                if isinstance(item, SiblingFinished):
+                    batch = [item]
+                    while len(batch) < STAGE_BATCH_MAX:
                         try:
-                            await self.commit(item)
-                        finally:
-                            self._awaiting_commit -= 1
+                            following = items.receive_nowait()
+                        except anyio.WouldBlock:
+                            break
+                        if not isinstance(following, SiblingFinished):
+                            held = following
+                            break
+                        batch.append(following)
+                    await self._stage(batch)
+                elif isinstance(item, SiblingsStale):
+                    await self._unstage(item)
+                else:
+                    try:
+                        await self.commit(item)
+                    finally:
+                        self._awaiting_commit -= 1
         finally:
             self._to_commit = None
+            self._take_back([held] if held is not None else [], items)
+            to_commit.close()
+            items.close()
+
+    def _take_back(self, held: list[CommitItem], items: MemoryObjectReceiveStream[CommitItem]) -> None:
+        """The committer stopped (the run ended): finished groups it had not committed go back to
+        memory, still in flight, so a later run of this controller commits them without generating
+        them again.  Queued siblings are in memory already; a lost unstage leaves a staged copy that
+        the group's commit clears."""
+        while True:
+            try:
+                held.append(items.receive_nowait())
+            except (anyio.WouldBlock, anyio.EndOfStream):
+                break
+        for item in held:
+            if isinstance(item, GroupResult):
+                self._finished[item.request.group_id] = dict(zip(item.request.siblings, item.completions,
+                                                                 strict=True))
+                self._awaiting_commit -= 1
 
     async def _stage(self, items: list[SiblingFinished]) -> None:
         """Stage finished siblings in one TQ put, except those whose group has since completed or

@@ -109,3 +109,24 @@ def test_the_trainer_loads_the_state_it_copied(tmp_path: Path) -> None:
     assert all(torch.equal(a, b) for a, b in zip(trained.model.state_dict().values(),
                                                  fresh.model.state_dict().values(), strict=True))
     assert fresh.optimizer.state_dict()["param_groups"] == trained.optimizer.state_dict()["param_groups"]
+
+
+SHORT_RUNS = 60
+
+
+async def test_many_short_runs_each_end_cleanly(tmp_path: Path, partition: str) -> None:
+    """A run's end cancels generation while siblings keep finishing: none of them may reach the
+    stopped committer and turn a clean end (its final bundle written) into a failure."""
+    config = tiny_config(
+        tmp_path, partition, checkpointing={"enabled": True, "dir": str(tmp_path / "checkpoints"), "interval_s": 3600},
+        generation={"backend": "synthetic", "max_inflight_prompts": 16,
+                    "synthetic": {"tokens_per_s": 20_000.0, "min_completion_tokens": 1, "max_completion_tokens": 12,
+                                  "batch_groups": 4, "max_concurrent_batches": 4}})
+    async with Controller.open(config) as controller:
+        for _ in range(SHORT_RUNS):
+            with anyio.fail_after(60):  # a run that cannot take its one step has stalled
+                await controller.run(max_steps=controller.state.trainer_step + 1)
+        assert controller.checkpointer is not None
+        stats = controller.checkpointer.statistics()
+    assert controller.state.trainer_step == SHORT_RUNS
+    assert (stats.completed, stats.failed) == (SHORT_RUNS, 0)
