@@ -32,8 +32,8 @@ SAMPLERS = ("windowed", "weight_fifo", "in_order")
 
 def in_flight_finished(controller: Controller) -> int:
     """Finished siblings of groups still in flight, in memory at this instant."""
-    in_flight = set(controller.state.ledger.in_state(PromptState.IN_FLIGHT))
-    return sum(len(siblings) for gid, siblings in controller._finished.items() if gid in in_flight)
+    return sum(len(controller.rollouts.finished_siblings(gid))
+               for gid in controller.state.ledger.in_state(PromptState.IN_FLIGHT))
 
 
 async def crash_once(config: Any) -> dict[str, float]:
@@ -126,11 +126,11 @@ async def staging_cost(tmp: Path, tiny: Any, fake_group: Any, groups: int = 400,
             for mode in ("plain", "staged"):
                 started = time.monotonic()
                 for _ in range(groups):
-                    result = fake_group(await controller.admit(), tokens)
+                    result = fake_group(await controller.rollouts.admit(), tokens)
                     if mode == "staged":
                         await controller.state.stage_siblings(
                             [(result.request.group_id, i, c) for i, c in enumerate(result.completions[:-1])])
-                    await controller.commit(result)
+                    await controller.rollouts.commit(result)
                 rates[mode].append(groups / (time.monotonic() - started))
                 await controller.state.finish_step(controller.state.replay.groups())
         await controller.dataplane.clear_all()

@@ -149,11 +149,11 @@ async def fill(controller: Controller, groups: int, tokens: int) -> int:
     """Commit ``groups`` groups through the controller's real commit path; returns payload bytes."""
     payload = 0
     for _ in range(groups):
-        result = fake_group(await controller.admit(), tokens)
+        result = fake_group(await controller.rollouts.admit(), tokens)
         # int64 input_ids and float32 logprobs per row, as they land in TQ.
         payload += sum(8 * (len(result.request.prompt_ids) + len(c.token_ids)) + 4 * len(c.token_ids)
                        for c in result.completions)
-        await controller.commit(result)
+        await controller.rollouts.commit(result)
     return payload
 
 
@@ -398,8 +398,8 @@ async def commit_path(tmp: Path, groups: int = 20_000) -> dict[str, float]:
     controller = Controller(config, _NoDataPlane(), None, policy, build_task(config.task))  # type: ignore[arg-type]
     started = time.monotonic()
     for _ in range(groups):
-        request = await controller.admit()
-        await controller.commit(fake_group(request, len(request.prompt_ids) + 4))
+        request = await controller.rollouts.admit()
+        await controller.rollouts.commit(fake_group(request, len(request.prompt_ids) + 4))
     committed = time.monotonic() - started
     started = time.monotonic()
     batch = controller.state.replay.groups()

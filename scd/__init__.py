@@ -17,11 +17,18 @@ Layering, bottom to top (a module imports only from layers below it):
    (torch, vLLM or the synthetic load-testing engine), ``telemetry`` (Prometheus, events),
    ``systemd`` (sd_notify), ``reaper`` (a process of its own, standard library only, that
    kills the embedded Ray's processes when scd dies).
-4. ``checkpoint``: the bundle layout, save, restore and offline verify.  It
-   works on the state, the data plane and the trainer, never the controller.
-5. ``daemon``: wiring, the pumps, and the one task group in which every
+4. ``rollouts``: a group's life from admission to commit (requests, finished
+   siblings and their staging, scoring, the committer); it wakes the pumps
+   through a callback and never sees the controller.
+5. ``checkpoint``: the bundle layout, save, restore and offline verify.  It
+   works on the state, the data plane, the trainer and the rollouts, never the
+   controller; restore is one path from bundle to the first admission.
+6. ``daemon``: wiring, the pumps, and the one task group in which every
    concurrent activity runs.
-6. ``cli``: argument parsing and exit codes.
+7. ``cli``: argument parsing and exit codes.
+
+``tests/test_layering.py`` checks this order: no import runs up a layer, and
+no import circle.
 """
 
 __version__ = "0.1.0"

@@ -35,16 +35,14 @@ class MutationKind(enum.StrEnum):
     STAGE = "stage"  # a finished sibling staged in TQ, or a stale staged one dropped
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class BarrierStatistics:
     shared_active: int
     exclusive_active: bool
     exclusive_waiting: int
     mutations: dict[str, int] = field(default_factory=dict)
     blocked: dict[str, int] = field(default_factory=dict)
-    wait_seconds: dict[str, float] = field(default_factory=dict)
     max_wait_seconds: dict[str, float] = field(default_factory=dict)  # the longest single wait, per kind
-    exclusive_holds: int = 0
 
 
 @dataclass(slots=True)
@@ -63,9 +61,7 @@ class CheckpointBarrier:
         self._sleepers = 0
         self._mutations: Counter[str] = Counter()
         self._blocked: Counter[str] = Counter()
-        self._wait_seconds: Counter[str] = Counter()
         self._max_wait_seconds: dict[str, float] = {}
-        self._exclusive_holds = 0
         self._blocked_since: float | None = None  # when the first mutation blocked by this checkpoint began to wait
         self._on_blocked = on_blocked
 
@@ -86,9 +82,7 @@ class CheckpointBarrier:
         return BarrierStatistics(
             shared_active=len(self._holders), exclusive_active=self._exclusive,
             exclusive_waiting=self._exclusive_waiting, mutations=dict(self._mutations),
-            blocked=dict(self._blocked), wait_seconds=dict(self._wait_seconds),
-            max_wait_seconds=dict(self._max_wait_seconds),
-            exclusive_holds=self._exclusive_holds,
+            blocked=dict(self._blocked), max_wait_seconds=dict(self._max_wait_seconds),
         )
 
     @asynccontextmanager
@@ -115,7 +109,6 @@ class CheckpointBarrier:
         if blocked:
             waited = time.monotonic() - started
             self._blocked[kind.value] += 1
-            self._wait_seconds[kind.value] += waited
             self._max_wait_seconds[kind.value] = max(waited, self._max_wait_seconds.get(kind.value, 0.0))
             if self._on_blocked:
                 self._on_blocked(kind, waited)
@@ -138,7 +131,6 @@ class CheckpointBarrier:
             # A cancelled checkpoint must release the mutations queued behind it.
             self._notify()
         self._exclusive = True
-        self._exclusive_holds += 1
         hold = ExclusiveHold()
         try:
             yield hold

@@ -1,4 +1,4 @@
-"""``scd``: command-line entry point and exit codes (DESIGN §8)."""
+"""``scd``: command-line entry point and exit codes."""
 
 from __future__ import annotations
 
@@ -47,7 +47,7 @@ async def run_daemon(config: Config, args: argparse.Namespace) -> None:
             await controller.events.emit("start", controller.state.trainer_step, pid=os.getpid(),
                                          tq_controller_node=placement.controller,
                                          tq_storage_unit_nodes=placement.storage_units)
-            await controller.restore(args.restore_from, args.allow_config_change)
+            await controller.restore(args.restore_from, args.allow_config_change, args.discard_newer)
             if not triggers.shutdown.is_set():
                 await controller.run(triggers, args.max_steps)
             http.cancel_scope.cancel()

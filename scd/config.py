@@ -148,6 +148,10 @@ class TelemetryConfig(_Section):
     metrics_port: int = 9464
     events_path: str = "events.jsonl"
     telemetry_interval_s: float = 0.0
+    # /healthz turns 503 (and a `stall` event is logged) when no train step completes for
+    # max(stall_after_s, stall_after_steps x the median of the recent step times) while the run serves.
+    stall_after_s: float = 300.0
+    stall_after_steps: float = 20.0
 
 
 class Config(_Section):
@@ -162,7 +166,7 @@ class Config(_Section):
     telemetry: TelemetryConfig = msgspec.field(default_factory=TelemetryConfig)
 
     def fingerprint_fields(self) -> dict[str, object]:
-        """The settings that change what a stored rollout, or the sampler state beside it, means (DESIGN §4).
+        """The settings that change what a stored rollout, or the sampler state beside it, means.
 
         A JSONL task counts by content, not by path: a file edited in place changes
         what every stored prompt id means.  A sampler that gates dispatch counts its
@@ -353,3 +357,5 @@ def validate(config: Config) -> None:
     _require(ckpt.max_consecutive_failures >= 1, "checkpointing.max_consecutive_failures", "must be >= 1")
     _require(0 <= tel.metrics_port <= 65535, "telemetry.metrics_port", "must be a port number (0 = any)")
     _require(tel.telemetry_interval_s >= 0, "telemetry.telemetry_interval_s", "must be >= 0 (0 = off)")
+    _require(tel.stall_after_s > 0, "telemetry.stall_after_s", f"must be > 0, got {tel.stall_after_s}")
+    _require(tel.stall_after_steps > 0, "telemetry.stall_after_steps", f"must be > 0, got {tel.stall_after_steps}")

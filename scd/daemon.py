@@ -5,53 +5,52 @@ Tasks (each named for what it does):
 * ``rollout_pump``    admits prompts (capacity, sampler gate) and hands them to generation
 * ``generation_pump`` batches admitted prompts into backend calls; finished groups go to the
   committer, aborted ones back to generation for their missing siblings only
-* ``committer``       stages each sibling that finishes before its group, scores a finished group,
-  puts its rows into TQ and records it in the replay index, in the order generation reported
-  them; generation never waits for it (a TQ save can hold puts for seconds): finished groups
-  queue, bounded by the buffer capacity
+* ``committer``       (``Rollouts.committer``) stages siblings that finish before their group,
+  scores and commits finished groups, in generation's order; generation never waits for it
 * ``train_pump``      (the host task) selects groups, trains, syncs weights; takes due checkpoints
 * ``checkpoint_scheduler`` turns the interval and SIGUSR1 into a checkpoint due at the next step
   boundary; ``checkpoint_writer`` writes bundles, one at a time
 * ``drain``           on shutdown, puts the drain deadline on the train pump's cancel scope
 * ``http``, ``watchdog``, ``loop_probe``, ``telemetry``: observation
 
-The controller wires parts together; the state a checkpoint captures and every
-mutation of it live in ``scd.state``.  Shutdown is one event passed in
-(``Triggers.shutdown``; tests need no real signals): the rollout pump stops
-admitting, the train pump stops at its next step boundary or at the drain
+The controller wires parts together: the state a checkpoint captures and every
+mutation of it live in ``scd.state``, a group's life from admission to commit in
+``scd.rollouts``, restore in ``scd.checkpoint.restore``.  Shutdown is one event
+passed in (``Triggers.shutdown``; tests need no real signals): the rollout pump
+stops admitting, the train pump stops at its next step boundary or at the drain
 deadline, then the last checkpoint is written and must succeed.
 """
 
 from __future__ import annotations
 
 import logging
-import math
+import statistics
 import time
+from collections import deque
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import anyio
 import torch
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from scd import systemd
+from scd import faults, systemd
 from scd.barrier import CheckpointBarrier, MutationKind
 from scd.checkpoint.checkpointer import Checkpointer
-from scd.checkpoint.restore import restore_state
+from scd.checkpoint.restore import RestoreParts, RestoreReport, restore_state
 from scd.config import Config
 from scd.dataplane import DataPlane
-from scd.errors import InvariantViolation
 from scd.generation import open_backend
-from scd.generation.base import GenerationBackend, GroupRequest, GroupResult
-from scd.ledger import PromptState, StagedSiblings, staged_key
-from scd.records import COMPLETE, Completion, Rollout
-from scd.replay import GroupMeta, rollouts_of, sample_ids_for
+from scd.generation.base import GenerationBackend, GroupRequest
+from scd.records import Rollout
+from scd.replay import GroupMeta, rollouts_of
+from scd.rollouts import Rollouts
 from scd.samplers import build_sampler
 from scd.schema import RestorePhase, Trigger
 from scd.state import ControllerState
-from scd.tasks import Prompt, build_task, score
+from scd.tasks import Prompt, build_task
 from scd.telemetry import metrics
 from scd.telemetry.events import EventLog
 from scd.telemetry.http import serve_http
@@ -61,10 +60,10 @@ from scd.training.policy import Policy, build_policy
 log = logging.getLogger(__name__)
 
 DRAIN_DEADLINE_S = 30.0
-STAGE_BATCH_MAX = 256  # siblings staged in one TQ put
 # /healthz calls the loop behind when a probe woke this much late within the last LOOP_STALL_WINDOW_S.
 LOOP_BEHIND_S = 1.0
 LOOP_STALL_WINDOW_S = 30.0
+RECENT_STEPS = 32  # step times the stall limit's median is taken over
 
 
 @dataclass(slots=True)
@@ -79,28 +78,6 @@ class Triggers:
         self.checkpoint_now.set()
 
 
-@dataclass(frozen=True, slots=True)
-class SiblingFinished:
-    """A sibling finished while others of its group still run: the committer stages it."""
-
-    request: GroupRequest
-    index: int
-    completion: Completion
-
-
-@dataclass(frozen=True, slots=True)
-class SiblingsStale:
-    """Finished siblings of an aborted group that fell out of the staleness window: unstage them."""
-
-    group_id: str
-    siblings: StagedSiblings
-
-
-# A finished group is a GroupResult asking for every sibling, its completions gathered across
-# attempts (and a restored cut) by sibling index.
-CommitItem = SiblingFinished | SiblingsStale | GroupResult
-
-
 def _observe_blocked_mutation(kind: MutationKind, waited_s: float) -> None:
     metrics.checkpoint_blocked_mutations.labels(kind.value).inc()
     metrics.checkpoint_mutation_wait.observe(waited_s)
@@ -113,26 +90,13 @@ class Controller:
         self.dataplane = dataplane
         self.backend = backend
         self.policy = policy
-        self.prompts = prompts
-        # Token ids and completion budget per prompt, encoded once.
-        self._encoded = [
-            (tuple(policy.encode_prompt(p.text)),
-             min(len(policy.encode_answer(p.answer)), config.generation.max_new_tokens))
-            for p in prompts
-        ]
         self.trainer = GRPOTrainer(config, policy)
         self.state = ControllerState(len(prompts), config.task.seed, build_sampler(config), dataplane,
                                      CheckpointBarrier(on_blocked=_observe_blocked_mutation))
+        self.rollouts = Rollouts(config, self.state, policy, prompts, self._notify)
         self.events = EventLog(Path(config.telemetry.events_path))
         self.checkpointer = (Checkpointer(config, self.events, self.state, dataplane, self.trainer)
                              if config.checkpointing.enabled else None)
-        self.committed_tokens = 0  # completion tokens of committed groups
-        # Finished groups queued for the committer: still in flight in the ledger (a crash
-        # generates them again), but no longer taking a generation slot.
-        self.awaiting_commit = 0
-        # Finished siblings of in-flight groups, by group id and sibling index: the next attempt
-        # at a group generates only the others.  Staged ones are also in TQ and the ledger.
-        self._finished: dict[str, dict[int, Completion]] = {}
         self.metrics_port: int | None = None
         self.ready = False
         self._last_stall = (0.0, 0.0)  # (monotonic time, seconds late) of the worst recent probe
@@ -141,6 +105,9 @@ class Controller:
         self._checkpoint_due: Trigger | None = None
         self._last_step_mark = (time.monotonic(), 0, 0, 0)
         self._last_read_s = 0.0  # how long the last train step waited for its rows from TQ
+        self._step_times: deque[float] = deque(maxlen=RECENT_STEPS)  # seconds between recent steps
+        self._last_progress = time.monotonic()  # the last step's end, or the run's start
+        self._stalled = ""  # why training looks stalled, or "" (what /healthz reports)
         for phase in RestorePhase:
             metrics.restore_phase.labels(phase.value)
 
@@ -173,58 +140,18 @@ class Controller:
                     with anyio.CancelScope(shield=True):
                         await serving.aclose()
 
-    async def restore(self, restore_from: Path | None = None, allow_config_change: bool = False) -> None:
+    async def restore(self, restore_from: Path | None = None, allow_config_change: bool = False,
+                      discard_newer: bool = False) -> RestoreReport | None:
         """Restore the newest finalized bundle (or ``restore_from``) before any pump runs."""
         if self.checkpointer is None and restore_from is None:
-            return
-        report = await restore_state(self.config, self.state, self.dataplane, self.trainer, restore_from,
-                                     allow_config_change)
-        if report is None:
-            return
-        if self.checkpointer is not None:
-            self.checkpointer.restored_from(report.step, report.bundle_time)
-        evicted = await self.evict_stale()
-        reused, rerun = await self.reuse_staged_siblings()
-        rerun += report.staged_siblings_not_loaded
-        metrics.recovery_siblings_reused.inc(reused)
-        metrics.recovery_siblings_rerun.inc(rerun)
-        await self.backend.update_weights(self.trainer.weights(), self.state.weight_version)
-        for phase, seconds in report.phases.items():
-            metrics.restore_phase.labels(phase).observe(seconds)
-        metrics.recovery_groups_restored.set(report.groups_restored)
-        metrics.recovery_groups_evicted_stale.set(evicted)
-        metrics.recovery_prompts_redispatched.set(report.prompts_redispatched)
-        self._publish_gauges()
-        log.info("restored %s: step %d, %d groups ready, %d evicted stale, %d prompts to redispatch, "
-                 "%d finished siblings reused, %d to generate again%s (%.2fs)",
-                 report.bundle, report.step, report.groups_restored, evicted, report.prompts_redispatched,
-                 reused, rerun, " [shadow: replay index not restored]" if report.shadow else "",
-                 report.phases[RestorePhase.TOTAL])
-        await self.events.emit(
-            "restore", report.step, bundle=str(report.bundle), phases=report.phases,
-            groups_restored=report.groups_restored, groups_evicted_stale=evicted,
-            prompts_redispatched=report.prompts_redispatched, shadow=report.shadow,
-            uncut_groups_cleared=report.uncut_groups_cleared, siblings_reused=reused, siblings_rerun=rerun,
-        )
-
-    async def reuse_staged_siblings(self) -> tuple[int, int]:
-        """The restored cut's staged siblings: those within the staleness window are read back and
-        not generated again; older ones are unstaged, to be generated again.  Returns (reused, rerun)."""
-        state = self.state
-        oldest = state.weight_version - state.sampler.max_staleness_versions
-        reusable: list[tuple[str, int, int]] = []
-        rerun = 0
-        for group_id in state.ledger.in_state(PromptState.IN_FLIGHT):
-            staged = state.ledger.entry(group_id).staged
-            stale = tuple((index, version) for index, version in staged if version < oldest)
-            if stale:
-                await state.unstage_siblings(group_id, stale)
-                rerun += len(stale)
-            reusable.extend((group_id, index, version) for index, version in staged if version >= oldest)
-        read = await self.dataplane.get_siblings([staged_key(*sibling) for sibling in reusable])
-        for (group_id, index, version), (token_ids, logprobs, finish) in zip(reusable, read, strict=True):
-            self._finished.setdefault(group_id, {})[index] = Completion(token_ids, logprobs, finish, version)
-        return len(reusable), rerun
+            return None
+        parts = RestoreParts(self.state, self.dataplane, self.trainer, self.backend, self.rollouts, self.events)
+        report = await restore_state(self.config, parts, restore_from, allow_config_change, discard_newer)
+        if report is not None:
+            if self.checkpointer is not None:
+                self.checkpointer.restored_from(report.step, report.bundle_time)
+            self._publish_gauges()
+        return report
 
     # ---- observation -------------------------------------------------------------------------
 
@@ -244,7 +171,7 @@ class Controller:
                     f"data_plane.call_timeout_s = {self.config.data_plane.call_timeout_s}s")
         if self.checkpointer is not None and self.checkpointer.consecutive_failures:
             return f"checkpointing failed {self.checkpointer.consecutive_failures} time(s) in a row"
-        return ""
+        return self._stalled
 
     def _notify(self) -> None:
         """Wake every task waiting for capacity or ready groups."""
@@ -257,178 +184,42 @@ class Controller:
         metrics.weight_version.set(state.weight_version)
         metrics.replay_groups.set(len(state.replay))
         metrics.replay_rows.set(state.replay.rows)
+        metrics.staged_siblings.set(state.ledger.staged_count())
         for ledger_state, n in state.ledger.counts().items():
             metrics.ledger_prompts.labels(ledger_state).set(n)
 
-    # ---- requests and results ----------------------------------------------------------------
-
-    def _request(self, group_id: str) -> GroupRequest:
-        """The group's siblings that are not finished yet (all of them for a new prompt)."""
-        entry = self.state.ledger.entry(group_id)
-        prompt_ids, max_tokens = self._encoded[entry.prompt_id]
-        finished = self._finished.get(group_id, {})
-        missing = tuple(i for i in range(self.config.generation.group_size) if i not in finished)
-        return GroupRequest(group_id, entry.epoch, entry.prompt_id, prompt_ids, missing, max_tokens,
-                            entry.target_step, time.time())
-
-    async def admit(self) -> GroupRequest:
-        return self._request(await self.state.admit())
-
-    def on_sibling(self, request: GroupRequest, index: int, completion: Completion,
-                   to_commit: MemoryObjectSendStream[CommitItem]) -> None:
-        """A backend reports a finished sibling; while others of its group run, it is worth staging."""
-        finished = self._finished.setdefault(request.group_id, {})
-        finished[index] = completion
-        if len(finished) < self.config.generation.group_size:
-            to_commit.send_nowait(SiblingFinished(request, index, completion))
-
-    async def gather(self, result: GroupResult, to_commit: MemoryObjectSendStream[CommitItem]) -> bool:
-        """Record a request's complete siblings; a group with all of them goes to the committer.
-
-        Returns whether it did; otherwise the group needs another attempt.
-        """
-        request = result.request
-        finished = self._finished.setdefault(request.group_id, {})
-        for index, completion in zip(request.siblings, result.completions, strict=False):
-            if completion.finish_reason in COMPLETE:
-                finished.setdefault(index, completion)
-        group_size = self.config.generation.group_size
-        if len(finished) < group_size:
-            return False
-        del self._finished[request.group_id]
-        # Generation is done with it: its slot goes to the next prompt, even while commits wait on a TQ save.
-        self.awaiting_commit += 1
-        self._notify()
-        await to_commit.send(GroupResult(replace(request, siblings=tuple(range(group_size))),
-                                         [finished[i] for i in range(group_size)], result.end_weight_version))
-        return True
-
-    async def redispatch_aborted(self, result: GroupResult,
-                                 to_commit: MemoryObjectSendStream[CommitItem]) -> GroupRequest:
-        """A group generation gave back incomplete goes to generation again for its missing siblings;
-        finished ones older than the staleness window are dropped (and unstaged) first.  The ledger
-        keeps why."""
-        group_id, reason = result.request.group_id, result.incomplete_reason()
-        finished = self._finished.get(group_id, {})
-        oldest = self.state.weight_version - self.state.sampler.max_staleness_versions
-        stale = tuple((i, c.weight_version) for i, c in sorted(finished.items()) if c.weight_version < oldest)
-        for index, _ in stale:
-            del finished[index]
-        if stale:
-            to_commit.send_nowait(SiblingsStale(group_id, stale))
-        await self.state.note_redispatch(group_id, reason)
-        metrics.groups_redispatched.inc()
-        log.info("group %s back to generation: %s (%d finished siblings kept)", group_id, reason, len(finished))
-        return self._request(group_id)
-
-    def _scored(self, result: GroupResult) -> list[Rollout]:
-        """The task scores each sibling's decoded text: the one place a completion is judged."""
-        req = result.request
-        answer = self.prompts[req.prompt_id].answer
-        completions = result.completions
-        # One tensor per field for the whole group, split into per-sibling views (TQ copies each row).
-        ids = torch.tensor([t for c in completions for t in (*req.prompt_ids, *c.token_ids)], dtype=torch.int64)
-        logprobs = torch.tensor([lp for c in completions for lp in c.logprobs], dtype=torch.float32)
-        id_rows = ids.split([len(req.prompt_ids) + len(c.token_ids) for c in completions])
-        logprob_rows = logprobs.split([len(c.logprobs) for c in completions])
-        return [
-            Rollout(input_ids=row_ids, logprobs=row_logprobs, prompt_len=len(req.prompt_ids),
-                    reward=score(self.policy.decode(c.token_ids), answer), weight_version=c.weight_version)
-            for c, row_ids, row_logprobs in zip(completions, id_rows, logprob_rows, strict=True)
-        ]
-
-    async def stage(self, items: list[SiblingFinished]) -> None:
-        """Stage finished siblings in one TQ put, except those whose group has since completed or
-        dropped them."""
-        current = [(i.request.group_id, i.index, i.completion) for i in items
-                   if self._finished.get(i.request.group_id, {}).get(i.index) is i.completion]
-        if current:
-            await self.state.stage_siblings(current)
-            metrics.siblings_staged.inc(len(current))
-
-    async def unstage_stale(self, item: SiblingsStale) -> None:
-        staged = set(self.state.ledger.entry(item.group_id).staged)
-        await self.state.unstage_siblings(item.group_id, tuple(s for s in item.siblings if s in staged))
-
-    async def commit(self, result: GroupResult) -> None:
-        """Score a finished group and commit it.  Only a complete group is committed (enforced here):
-        exactly ``group_size`` siblings, none truncated or aborted."""
-        req = result.request
-        incomplete = result.incomplete_reason()
-        if req.siblings != tuple(range(self.config.generation.group_size)):
-            incomplete = f"siblings {list(req.siblings)} of {self.config.generation.group_size}"
-        if incomplete:
-            raise InvariantViolation(f"commit of incomplete group {req.group_id}: {incomplete}")
-        rollouts = self._scored(result)
-        group = GroupMeta(
-            group_id=req.group_id, epoch=req.epoch, prompt_id=req.prompt_id,
-            sample_ids=sample_ids_for(req.group_id, len(rollouts)),
-            start_weight_version=min(c.weight_version for c in result.completions),
-            end_weight_version=result.end_weight_version,
-            prompt_len=len(req.prompt_ids), seq_lens=tuple(r.input_ids.shape[0] for r in rollouts),
-            rewards=tuple(r.reward for r in rollouts), weight_versions=tuple(r.weight_version for r in rollouts),
-            target_step=req.target_step, admitted_at=req.admitted_at, committed_at=time.time(),
-        )
-        await self.state.commit(group, rollouts)
-        completion_tokens = group.tokens - group.prompt_len * len(rollouts)
-        self.committed_tokens += completion_tokens
-        metrics.committed_groups.inc()
-        metrics.committed_tokens.inc(completion_tokens)
-        metrics.group_completion_latency.observe(group.committed_at - req.admitted_at)
-        self._notify()
-
-    async def evict_stale(self) -> int:
-        stale = await self.state.evict_stale()
-        if stale:
-            metrics.groups_evicted_stale.inc(len(stale))
-            self._notify()
-        return len(stale)
-
     # ---- pumps -------------------------------------------------------------------------------
 
-    def _has_capacity(self) -> bool:
-        state = self.state
-        return (
-            state.in_flight - self.awaiting_commit < self.config.generation.max_inflight_prompts
-            and self.awaiting_commit < self.config.generation.commit_queue_groups
-            and state.in_flight + len(state.replay) < self.config.async_rl.buffer_capacity_groups
-            and state.sampler.may_dispatch(state.trainer_step)
-        )
-
     async def wait_for_capacity(self) -> None:
-        while not self._has_capacity() and not self._shutdown.is_set():
+        while not self.rollouts.has_capacity() and not self._shutdown.is_set():
             await self._changed.wait()
 
     async def rollout_pump(self, to_generation: MemoryObjectSendStream[GroupRequest]) -> None:
         async with to_generation:
-            for group_id in await self.state.redispatch_in_flight():
-                await to_generation.send(self._request(group_id))
+            for request in await self.rollouts.take_requeued():
+                await to_generation.send(request)
             while True:
                 await self.wait_for_capacity()
                 if self._shutdown.is_set():
                     return
-                await to_generation.send(await self.admit())
+                await faults.wait_at("before_dispatch")
+                await to_generation.send(await self.rollouts.admit())
 
-    async def generation_pump(
-        self, requests: MemoryObjectReceiveStream[GroupRequest], to_commit: MemoryObjectSendStream[CommitItem]
-    ) -> None:
+    async def generation_pump(self, requests: MemoryObjectReceiveStream[GroupRequest]) -> None:
+        rollouts = self.rollouts
         limiter = anyio.CapacityLimiter(self.backend.max_concurrent_batches)
-
-        def on_sibling(request: GroupRequest, index: int, completion: Completion) -> None:
-            self.on_sibling(request, index, completion, to_commit)
 
         async def run_batch(batch: list[GroupRequest]) -> None:
             async with limiter:
                 started = time.time()
                 for req in batch:
                     metrics.group_admission_latency.observe(started - req.admitted_at)
-                results = await self.backend.generate(batch, on_sibling)
+                results = await self.backend.generate(batch, rollouts.on_sibling)
             for result in results:
-                if not await self.gather(result, to_commit) and not self._shutdown.is_set():
-                    tg.start_soon(run_batch, [await self.redispatch_aborted(result, to_commit)],
-                                  name="generate_batch")
+                if not rollouts.gather(result) and not self._shutdown.is_set():
+                    tg.start_soon(run_batch, [await rollouts.redispatch_aborted(result)], name="generate_batch")
 
-        async with requests, to_commit, anyio.create_task_group() as tg:
+        async with requests, anyio.create_task_group() as tg:
             async for first in requests:
                 batch = [first]
                 while len(batch) < self.backend.batch_groups:
@@ -441,45 +232,9 @@ class Controller:
                 limiter.release()
                 tg.start_soon(run_batch, batch, name="generate_batch")
 
-    async def committer(self, items: MemoryObjectReceiveStream[CommitItem]) -> None:
-        """One stream, in generation's order: a sibling is staged before its group commits or is unstaged.
-
-        Siblings queued one after another are staged together (one TQ put: a put's round trip,
-        not its size, is what a sibling costs), so staging keeps up however fast siblings finish.
-        """
-        async with items:
-            held: CommitItem | None = None
-            while True:
-                if held is None:
-                    try:
-                        item = await items.receive()
-                    except anyio.EndOfStream:
-                        return
-                else:
-                    item, held = held, None
-                if isinstance(item, SiblingFinished):
-                    batch = [item]
-                    while len(batch) < STAGE_BATCH_MAX:
-                        try:
-                            following = items.receive_nowait()
-                        except (anyio.WouldBlock, anyio.EndOfStream):
-                            break
-                        if not isinstance(following, SiblingFinished):
-                            held = following
-                            break
-                        batch.append(following)
-                    await self.stage(batch)
-                elif isinstance(item, SiblingsStale):
-                    await self.unstage_stale(item)
-                else:
-                    try:
-                        await self.commit(item)
-                    finally:
-                        self.awaiting_commit -= 1
-
     async def select_batch(self) -> list[GroupMeta]:
         """Evict stale groups, then the sampler's next step if one is ready now, else []."""
-        await self.evict_stale()
+        await self.rollouts.evict_stale()
         state = self.state
         return state.sampler.select(state.replay.groups(), state.weight_version, state.trainer_step)
 
@@ -514,7 +269,7 @@ class Controller:
         await self.backend.update_weights(self.trainer.weights(), state.weight_version)
         weight_sync_s = time.monotonic() - sync_started
         metrics.weight_sync.observe(weight_sync_s)
-        await self.backend.abort_older_than(state.weight_version - state.sampler.max_staleness_versions)
+        await self.backend.abort_older_than(state.window_start())
         self._notify()
         metrics.train_reward_mean.set(result.reward_mean)
         metrics.train_staleness.set(staleness)
@@ -525,14 +280,18 @@ class Controller:
         log.info("step %d version %d reward %.3f loss %.4f committed %d staleness %d replay %d",
                  state.trainer_step, state.weight_version, result.reward_mean, result.loss,
                  state.committed_groups, staleness, len(state.replay))
-        now, groups_done, committed = time.monotonic(), state.committed_groups, self.committed_tokens
+        now, groups_done = time.monotonic(), state.committed_groups
+        committed = self.rollouts.statistics().committed_tokens
         tokens = self.backend.generated_tokens()
         last_at, last_groups, last_committed, last_tokens = self._last_step_mark
         self._last_step_mark = (now, groups_done, committed, tokens)
         elapsed = max(now - last_at, 1e-9)
+        self._step_times.append(now - self._last_progress)
+        self._last_progress, self._stalled = now, ""
         await self.events.emit(
             "train_step", state.trainer_step, epoch=state.order.state.epoch, weight_version=state.weight_version,
-            reward_mean=result.reward_mean, loss=result.loss, staleness=staleness,
+            reward_mean=result.reward_mean, loss=result.loss, clip_fraction=result.clip_fraction,
+            entropy=result.entropy, trained_tokens=result.tokens, staleness=staleness,
             prompt_ids=[[g.epoch, g.prompt_id] for g in batch],
             logprob_mismatch_mean=result.logprob_mismatch_mean, logprob_mismatch_max=result.logprob_mismatch_max,
             logprob_mismatch_tokens=result.logprob_mismatch_tokens, weight_sync_ms=weight_sync_s * 1e3,
@@ -595,13 +354,13 @@ class Controller:
         telemetry = self.config.telemetry
         to_generation, generation_in = anyio.create_memory_object_stream[GroupRequest](
             self.config.generation.max_inflight_prompts)
-        to_commit, commit_in = anyio.create_memory_object_stream[CommitItem](math.inf)
         async with anyio.create_task_group() as tg:
+            await tg.start(self.rollouts.committer, name="committer")
             tg.start_soon(self.rollout_pump, to_generation, name="rollout_pump")
-            tg.start_soon(self.generation_pump, generation_in, to_commit, name="generation_pump")
-            tg.start_soon(self.committer, commit_in, name="committer")
+            tg.start_soon(self.generation_pump, generation_in, name="generation_pump")
             tg.start_soon(systemd.feed_watchdog, name="watchdog")
             tg.start_soon(self.loop_probe, name="loop_probe")
+            tg.start_soon(self.stall_watch, name="stall_watch")
             if self.checkpointer is not None:
                 await tg.start(self.checkpointer.run_writer, name="checkpoint_writer")
                 tg.start_soon(self.checkpoint_scheduler, triggers, name="checkpoint_scheduler")
@@ -610,23 +369,28 @@ class Controller:
             train_scope = anyio.CancelScope()
             tg.start_soon(self.drain, train_scope, drain_deadline_s, name="drain")
             systemd.notify("READY=1")
+            self._last_progress = time.monotonic()
             self.ready = True
             self._publish_gauges()
             with train_scope:
                 await self.train_pump(max_steps)
-            self.ready = False
-            systemd.notify("STOPPING=1")
+            self.stop_serving()
             await self.last_checkpoint(Trigger.SHUTDOWN if self._shutdown.is_set() else Trigger.FINAL)
             tg.cancel_scope.cancel()
 
     async def drain(self, train_scope: anyio.CancelScope, deadline_s: float) -> None:
         """On shutdown: wake every waiting pump, and give the train pump ``deadline_s`` to reach a boundary."""
         await self._shutdown.wait()
-        self.ready = False
+        self.stop_serving()
         log.info("shutdown requested: draining (deadline %.0fs)", deadline_s)
-        systemd.notify("STOPPING=1")
         train_scope.deadline = anyio.current_time() + deadline_s
         self._notify()
+
+    def stop_serving(self) -> None:
+        """Not ready any more, and systemd told STOPPING=1 once: at a drain's start, or when training ends."""
+        if self.ready:
+            self.ready = False
+            systemd.notify("STOPPING=1")
 
     async def telemetry_sampler(self, interval_s: float) -> None:
         """Sample gauges on a wall-clock interval into /metrics and the event log; never touches checkpoints."""
@@ -640,6 +404,29 @@ class Controller:
                 committed_groups=stats.committed_groups, generated_tokens=self.backend.generated_tokens(),
                 ledger=stats.ledger,
             )
+
+    def stall_limit_s(self) -> float:
+        """How long the run may go without a train step before it is called stalled."""
+        telemetry = self.config.telemetry
+        recent = statistics.median(self._step_times) if self._step_times else 0.0
+        return max(telemetry.stall_after_s, telemetry.stall_after_steps * recent)
+
+    async def stall_watch(self, period_s: float = 1.0) -> None:
+        """No train step for longer than ``stall_limit_s`` while the run serves: /healthz answers 503
+        with why, and one ``stall`` event is logged per stall (a step ends it)."""
+        while True:
+            await anyio.sleep(period_s)
+            idle_s, limit_s = time.monotonic() - self._last_progress, self.stall_limit_s()
+            if not self.ready or idle_s <= limit_s or self._stalled:
+                continue
+            state, rollouts = self.state.statistics(), self.rollouts.statistics()
+            self._stalled = (f"no train step for {idle_s:.0f}s (limit {limit_s:.0f}s): {state.in_flight} prompts "
+                             f"in flight, {rollouts.awaiting_commit} awaiting commit, {state.replay_groups} groups "
+                             "ready")
+            log.warning("training stalled: %s", self._stalled)
+            await self.events.emit("stall", state.trainer_step, idle_s=idle_s, limit_s=limit_s,
+                                   in_flight=state.in_flight, awaiting_commit=rollouts.awaiting_commit,
+                                   replay_groups=state.replay_groups)
 
     async def loop_probe(self, period_s: float = 0.05) -> None:
         while True:

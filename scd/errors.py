@@ -1,4 +1,4 @@
-"""Error types and the process exit code each maps to (DESIGN §8)."""
+"""Error types and the process exit code each maps to."""
 
 from __future__ import annotations
 

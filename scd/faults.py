@@ -1,9 +1,11 @@
-"""Fault points for crash and disk-error tests: ``SCD_FAULT=<point>[:<n>][=<action>][,...]``.
+"""Fault points for crash, disk-error and stall tests: ``SCD_FAULT=<point>[:<n>][=<action>][,...]``.
 
 At the n-th passage (default 1) of a named point the process dies with
-``os._exit(137)`` (action ``exit``, like a SIGKILL: no cleanup, no flush) or
-the point raises ``OSError(ENOSPC)`` (action ``enospc``, a full disk).  Unset
-in production; ``hit`` is then one dict lookup.  In-process tests arm points
+``os._exit(137)`` (action ``exit``, like a SIGKILL: no cleanup, no flush), the
+point raises ``OSError(ENOSPC)`` (action ``enospc``, a full disk), or, at a
+point passed on the event loop (``wait_at``), the task passing it waits forever
+(action ``block``, a hung dependency).  Unset in production; passing a point
+is then one dict lookup.  In-process tests arm points
 for a block with ``armed``.
 """
 
@@ -15,12 +17,16 @@ import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+import anyio
+
 POINTS = (
     "before_barrier", "in_exclusive_hold", "post_cut_commit", "after_tq_save", "during_deferred_clear",
     "mid_sidecar_write", "before_finalize_rename",
     "after_finalize_before_latest", "during_retention", "during_restore_tq_load", "during_restore_index",
+    "before_dispatch",
 )
-ACTIONS = ("exit", "enospc")
+ACTIONS = ("exit", "enospc", "block")
+EVENT_LOOP_POINTS = ("before_dispatch",)  # passed with ``wait_at``: the only ones that can block
 
 
 def _parse(spec: str) -> dict[str, list[int | str]]:
@@ -29,9 +35,11 @@ def _parse(spec: str) -> dict[str, list[int | str]]:
         target, _, action = item.partition("=")
         point, _, count = target.partition(":")
         action = action or "exit"
-        if point not in POINTS or action not in ACTIONS or (count and not count.isdigit()):
+        if (point not in POINTS or action not in ACTIONS or (count and not count.isdigit())
+                or (action == "block" and point not in EVENT_LOOP_POINTS)):
             raise SystemExit(f"scd: error: SCD_FAULT={spec!r}: unknown point or action in {item!r}; "
-                             f"points: {', '.join(POINTS)}; actions: {', '.join(ACTIONS)}")
+                             f"points: {', '.join(POINTS)}; actions: {', '.join(ACTIONS)} "
+                             f"(block only at {', '.join(EVENT_LOOP_POINTS)})")
         faults[point] = [int(count or 1), action]
     return faults
 
@@ -53,15 +61,34 @@ def armed(spec: str) -> Iterator[None]:
         _FAULTS.update(before)
 
 
-def hit(point: str) -> None:
-    """Pass fault point ``point``; dies or raises there if SCD_FAULT says so."""
+def _fires(point: str) -> str | None:
+    """The action due at this passage of ``point``, if any."""
     fault = _FAULTS.get(point)
     if fault is None:
-        return
+        return None
     fault[0] = int(fault[0]) - 1
-    if fault[0] != 0:
-        return
-    if fault[1] == "enospc":
+    return str(fault[1]) if fault[0] == 0 else None
+
+
+async def wait_at(point: str) -> None:
+    """Pass fault point ``point`` on the event loop: blocks forever there, dies or raises if SCD_FAULT says so."""
+    action = _fires(point)
+    if action == "block":
+        sys.stderr.write(f"scd: SCD_FAULT: blocking at {point}\n")
+        await anyio.sleep_forever()
+    if action is not None:
+        _act(point, action)
+
+
+def hit(point: str) -> None:
+    """Pass fault point ``point``; dies or raises there if SCD_FAULT says so."""
+    action = _fires(point)
+    if action is not None:
+        _act(point, action)
+
+
+def _act(point: str, action: str) -> None:
+    if action == "enospc":
         raise OSError(errno.ENOSPC, f"No space left on device (SCD_FAULT at {point})")
     sys.stderr.write(f"scd: SCD_FAULT: exiting at {point}\n")
     sys.stderr.flush()

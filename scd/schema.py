@@ -41,12 +41,20 @@ class CheckpointPhase(enum.StrEnum):
 
 
 class RestorePhase(enum.StrEnum):
-    RESOLVE = "resolve"
-    DATALOADER = "dataloader"
-    TQ = "tq"
-    REPLAY_METADATA = "replay_metadata"
-    LEDGER = "ledger"
-    TOTAL = "total"
+    """Each names the one thing it times, in the order restore runs them."""
+
+    RESOLVE = "resolve"  # find the bundle, check the commit marker and every file's digest
+    REPLAY_METADATA = "replay_metadata"  # decode the sidecar, ledger and dataloader; check them and the config
+    POLICY_LOAD = "policy_load"  # weights and optimizer state into the trainer
+    DATALOADER = "dataloader"  # the prompt order's state, checked against the ledger
+    TQ = "tq"  # TQ's native snapshot loaded
+    TQ_INVENTORY = "tq_inventory"  # TQ listed against the cut: uncut keys cleared, the rest exact
+    LEDGER = "ledger"  # the cut installed (ledger, index, sampler state, counters)
+    SIBLINGS = "siblings"  # in-window staged siblings read back, older ones unstaged
+    EVICT = "evict"  # restored groups already stale evicted
+    FIRST_WEIGHT_SYNC = "first_weight_sync"  # the restored weights to generation
+    REDISPATCH = "redispatch"  # in-flight prompts requeued for their missing siblings
+    TOTAL = "total"  # from the start of restore to the moment the first admission may run
 
 
 class Trigger(enum.StrEnum):

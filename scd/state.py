@@ -117,6 +117,10 @@ class ControllerState:
             staged_siblings=self.ledger.staged_count(),
         )
 
+    def window_start(self) -> int:
+        """The oldest weight version whose rollouts a train step may still take."""
+        return self.weight_version - self.sampler.max_staleness_versions
+
     # ---- mutations -------------------------------------------------------------------------------
 
     async def admit(self) -> str:

@@ -2,12 +2,25 @@
 
 from __future__ import annotations
 
+import dataclasses
+import socket
 from pathlib import Path
 
+import anyio
 import orjson
+import pytest
+import torch
 
-from scd.daemon import Controller
+from scd.barrier import CheckpointBarrier
+from scd.daemon import Controller, Triggers
+from scd.dataplane import DataPlane
 from scd.ledger import PromptState
+from scd.rollouts import Rollouts
+from scd.samplers import build_sampler
+from scd.state import ControllerState
+from scd.tasks import build_task
+from scd.training.grpo import GRPOTrainer
+from scd.training.policy import build_policy
 from tests.conftest import tiny_config
 
 
@@ -44,3 +57,76 @@ async def test_reward_rises_and_the_books_balance(tmp_path: Path, partition: str
     print(f"mean reward: first 10 steps {first:.3f}, last 10 steps {last:.3f}")
     assert first < 0.15
     assert last > first + 0.3, (first, last)
+    steps_trained = [e for e in events if e["trained_tokens"] > 0 and 0 <= e["clip_fraction"] <= 1]
+    assert len(steps_trained) == steps and all(e["entropy"] >= 0 for e in events)
+
+
+async def test_systemd_hears_ready_and_stopping_once_through_a_drain(
+        tmp_path: Path, partition: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A drain and the end of training both stop serving; systemd is told STOPPING=1 once."""
+    address = tmp_path / "notify.sock"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as listener:
+        listener.bind(str(address))
+        listener.setblocking(False)
+        monkeypatch.setenv("NOTIFY_SOCKET", str(address))
+        async with Controller.open(tiny_config(tmp_path, partition)) as controller:
+            triggers = Triggers()
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(controller.run, triggers, 10_000)
+                while controller.state.trainer_step < 2:
+                    await anyio.sleep(0.01)
+                triggers.shutdown.set()
+        messages = []
+        while True:
+            try:
+                messages.append(listener.recv(4096).decode())
+            except BlockingIOError:
+                break
+    assert messages.count("READY=1") == 1 and messages.count("STOPPING=1") == 1, messages
+    assert messages.index("READY=1") < messages.index("STOPPING=1")
+
+
+def test_statistics_records_are_frozen(tmp_path: Path) -> None:
+    config = tiny_config(tmp_path, "no-tq-needed")
+    policy = build_policy(config.model, config.run.seed)
+    state = ControllerState(4, 0, build_sampler(config), DataPlane(config.data_plane), CheckpointBarrier())
+    rollouts = Rollouts(config, state, policy, build_task(config.task), lambda: None)
+    for record in (state.statistics(), state.barrier.statistics(), rollouts.statistics()):
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            record.__setattr__(dataclasses.fields(record)[0].name, 1)
+
+
+def test_the_trainer_loads_the_state_it_copied(tmp_path: Path) -> None:
+    config = tiny_config(tmp_path, "no-tq-needed")
+    policy = build_policy(config.model, config.run.seed)
+    trained, fresh = GRPOTrainer(config, policy), GRPOTrainer(config, policy)
+    with torch.no_grad():
+        for p in trained.model.parameters():
+            p.add_(0.5)
+    trained.optimizer.step()  # an optimizer state to carry
+    model, optimizer = trained.state_copy()
+    fresh.load_state(model, optimizer)
+    assert all(torch.equal(a, b) for a, b in zip(trained.model.state_dict().values(),
+                                                 fresh.model.state_dict().values(), strict=True))
+    assert fresh.optimizer.state_dict()["param_groups"] == trained.optimizer.state_dict()["param_groups"]
+
+
+SHORT_RUNS = 60
+
+
+async def test_many_short_runs_each_end_cleanly(tmp_path: Path, partition: str) -> None:
+    """A run's end cancels generation while siblings keep finishing: none of them may reach the
+    stopped committer and turn a clean end (its final bundle written) into a failure."""
+    config = tiny_config(
+        tmp_path, partition, checkpointing={"enabled": True, "dir": str(tmp_path / "checkpoints"), "interval_s": 3600},
+        generation={"backend": "synthetic", "max_inflight_prompts": 16,
+                    "synthetic": {"tokens_per_s": 20_000.0, "min_completion_tokens": 1, "max_completion_tokens": 12,
+                                  "batch_groups": 4, "max_concurrent_batches": 4}})
+    async with Controller.open(config) as controller:
+        for _ in range(SHORT_RUNS):
+            with anyio.fail_after(60):  # a run that cannot take its one step has stalled
+                await controller.run(max_steps=controller.state.trainer_step + 1)
+        assert controller.checkpointer is not None
+        stats = controller.checkpointer.statistics()
+    assert controller.state.trainer_step == SHORT_RUNS
+    assert (stats.completed, stats.failed) == (SHORT_RUNS, 0)

@@ -86,7 +86,7 @@ async def checkpoint_now(controller: Controller) -> Outcome:
 
 async def generated(controller: Controller, n: int) -> list[GroupResult]:
     """Admit ``n`` prompts and have the real backend generate their groups (complete, not yet committed)."""
-    requests: list[GroupRequest] = [await controller.admit() for _ in range(n)]
+    requests: list[GroupRequest] = [await controller.rollouts.admit() for _ in range(n)]
     results = await controller.backend.generate(requests, lambda *reported: None)
     assert all(not r.incomplete_reason() for r in results)
     return results
@@ -189,7 +189,7 @@ async def test_save_with_tq_and_index_disagreeing_finalizes_nothing_and_is_an_in
     async with Controller.open(config_for(root, partition)) as controller:
         results = await generated(controller, 2)
         for result in results:
-            await controller.commit(result)
+            await controller.rollouts.commit(result)
         dp = controller.dataplane
         assert await dp.list_keys() == keys_of(results[0]) | keys_of(results[1])
         victim = results[0].request.group_id
@@ -246,7 +246,7 @@ async def test_failed_put_during_commit_clears_its_rows_keeps_the_prompt_in_flig
         monkeypatch.setattr(dp, "put_group", put_part_then_fail)
         in_flight, committed = state.in_flight, state.committed_groups
         with pytest.raises(DataPlaneError) as info:
-            await controller.commit(result)
+            await controller.rollouts.commit(result)
         assert info.value is injected
         assert written_before_failure & keys_of(result)  # the cleanup had a key to clear
         assert not (await dp.list_keys()) & keys_of(result)
@@ -257,7 +257,7 @@ async def test_failed_put_during_commit_clears_its_rows_keeps_the_prompt_in_flig
 
         # The prompt is still in flight, so the same group can be committed once TQ works again.
         monkeypatch.undo()
-        await controller.commit(result)
+        await controller.rollouts.commit(result)
         assert await dp.list_keys() == keys_of(result)
         assert state.ledger.state_of(gid) is PromptState.READY
 
@@ -283,7 +283,7 @@ async def test_failed_put_whose_cleanup_clear_fails_too_raises_the_put_error_wit
         monkeypatch.setattr(dp, "put_group", put_part_then_fail)
         monkeypatch.setattr(dp, "discard_failed_put", clear_fails)
         with pytest.raises(DataPlaneError) as info:
-            await controller.commit(result)
+            await controller.rollouts.commit(result)
         raised = info.value
         assert raised is put_error, f"the clear error replaced the put error: {raised!r}"
         notes = getattr(raised, "__notes__", [])
@@ -317,7 +317,7 @@ async def test_tq_save_failing_or_timing_out_releases_the_barrier_removes_tmp_an
         assert checkpointer is not None
         results = await generated(controller, 2)
         for result in results:
-            await controller.commit(result)
+            await controller.rollouts.commit(result)
         assert await checkpoint_now(controller) is Outcome.COMPLETED  # the older bundle, step 0
         older = tree_digest(root)
         # One real step boundary further (a group consumed), so the next checkpoint is due at step 1.
@@ -388,7 +388,7 @@ async def test_mutations_wait_for_a_live_cut_and_a_cut_waits_for_an_in_flight_pu
             admitted.append(await state.admit())
 
         async def commit() -> None:
-            await controller.commit(first)
+            await controller.rollouts.commit(first)
             committed.set()
 
         with anyio.fail_after(WAIT_S):
@@ -430,7 +430,7 @@ async def test_mutations_wait_for_a_live_cut_and_a_cut_waits_for_an_in_flight_pu
 
         with anyio.fail_after(WAIT_S):
             async with anyio.create_task_group() as tg:
-                tg.start_soon(controller.commit, second)
+                tg.start_soon(controller.rollouts.commit, second)
                 await put_entered.wait()
                 tg.start_soon(take_cut)
                 await anyio.sleep(0.5)
@@ -466,7 +466,7 @@ async def test_two_mutations_run_concurrently_outside_a_cut(
         with anyio.fail_after(WAIT_S):
             async with anyio.create_task_group() as tg:
                 for result in results:
-                    tg.start_soon(controller.commit, result)
+                    tg.start_soon(controller.rollouts.commit, result)
                 await both_inside.wait()
                 shared_seen.append(state.barrier.statistics().shared_active)
                 let_go.set()
@@ -676,7 +676,7 @@ async def test_restored_groups_count_against_buffer_capacity(golden: dict[str, A
         assert {r.group_id for r in requests} - {r.group_id for r in new} == restored_in_flight
         assert len(new) == capacity - ready - in_flight
         assert state.in_flight + len(state.replay) == capacity
-        assert not controller._has_capacity()
+        assert not controller.rollouts.has_capacity()
     await clear_partition(GOLDEN)
 
 
@@ -783,13 +783,13 @@ async def test_mutations_blocked_by_a_real_checkpoint_are_counted(
         with anyio.fail_after(WAIT_S):
             async with anyio.create_task_group() as tg:
                 await tg.start(checkpointer.run_writer)
-                tg.start_soon(controller.commit, first)  # a real commit, its put in flight
+                tg.start_soon(controller.rollouts.commit, first)  # a real commit, its put in flight
                 await put_entered.wait()
                 tg.start_soon(checkpoint)  # a real checkpoint: it waits for that put
                 while not state.barrier.statistics().exclusive_waiting:
                     await anyio.sleep(0.01)
                 async with anyio.create_task_group() as behind:
-                    behind.start_soon(controller.commit, second)  # queued behind the checkpoint
+                    behind.start_soon(controller.rollouts.commit, second)  # queued behind the checkpoint
                     behind.start_soon(state.admit)
                     await anyio.sleep(0.2)
                     let_put_go.set()

@@ -48,7 +48,7 @@ async def test_commits_go_on_during_the_tq_save_and_the_bundle_restores_to_exact
     async with Controller.open(config) as controller:
         # ~1,000 groups of 8 rows of ~7 KB: a TQ save long enough to commit through.
         for seed in range(1_000):
-            await controller.commit(long_group(await controller.admit(), seed))
+            await controller.rollouts.commit(long_group(await controller.rollouts.admit(), seed))
         checkpointer = controller.checkpointer
         assert checkpointer is not None
         stop = anyio.Event()
@@ -56,8 +56,8 @@ async def test_commits_go_on_during_the_tq_save_and_the_bundle_restores_to_exact
         async def commit_stream() -> None:
             seed = 10_000
             while not stop.is_set():
-                request = await controller.admit()
-                await controller.commit(long_group(request, seed))
+                request = await controller.rollouts.admit()
+                await controller.rollouts.commit(long_group(request, seed))
                 committed.append((time.monotonic(), request.group_id))
                 seed += 1
 

@@ -34,7 +34,7 @@ async def test_a_deferred_clear_that_fails_after_a_good_save_keeps_the_bundle_an
         # and the checkpoint's save window closes with it still owed.
         await state.stage_siblings([(group_id, 0, first)])
         staged = staged_key(group_id, 0, first.weight_version)
-        await controller.commit(result)
+        await controller.rollouts.commit(result)
         assert await dp.list_keys() == {group_id, staged}
         assert metric("scd_owed_clears") == 1
         failures = metric("scd_owed_clear_failures_total")

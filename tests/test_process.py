@@ -268,3 +268,26 @@ def test_a_bundle_of_another_storage_unit_count_exits_3_naming_the_key_before_tq
     (bundle / layout.COMMIT_MARKER).write_text(layout.sha256_file(bundle / layout.TRAINING_INFO_FILE))
     verified = verify_bundle(bundle)
     assert verified.info.storage_units is None and storage_units_of(verified.info) == 2
+
+
+def test_a_run_whose_dispatch_hangs_is_called_stalled_and_still_drains(tmp_path: Path,
+                                                                       scd_processes: list[ScdProcess]) -> None:
+    """No silent stall: the 40th admission blocks forever (the tiny config's 32-group buffer then
+    drains through training), so steps stop while the run serves; /healthz says so, the event log
+    has one `stall` event, and a SIGTERM still drains cleanly."""
+    port = free_port()
+    config = write_config(tmp_path, max_steps=100_000, port=port)
+    config.write_text(config.read_text().replace("[telemetry]\n", "[telemetry]\nstall_after_s = 2\n"
+                                                                  "stall_after_steps = 5\n"))
+    scd = ScdProcess(config, env={"SCD_FAULT": "before_dispatch:40=block"})
+    scd_processes.append(scd)
+    scd.wait_for_line("SCD_FAULT: blocking at before_dispatch")
+    wait_for_health(port, 503, "unhealthy: no train step for ")
+    scd.wait_for_line("training stalled")
+    scd.signal(signal.SIGTERM)
+    assert scd.wait(timeout=120) == 0, scd.output()[-3000:]
+    events = [orjson.loads(line) for line in (tmp_path / "out" / "events.jsonl").read_text().splitlines()]
+    stalls = [e for e in events if e["event"] == "stall"]
+    assert len(stalls) == 1 and stalls[0]["limit_s"] >= 2 and stalls[0]["idle_s"] > stalls[0]["limit_s"]
+    steps = [e["step"] for e in events if e["event"] == "train_step"]
+    assert steps and stalls[0]["step"] == steps[-1]

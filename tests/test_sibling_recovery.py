@@ -6,7 +6,6 @@ The synthetic engine decodes a batch in lockstep, so a group's siblings finish o
 
 from __future__ import annotations
 
-import math
 import signal
 import time
 from collections.abc import Callable
@@ -20,9 +19,9 @@ import torch
 
 from scd.checkpoint import layout
 from scd.checkpoint.verify import verify_bundle
-from scd.daemon import CommitItem, Controller
+from scd.daemon import Controller
 from scd.dataplane import DataPlane
-from scd.generation.base import GenerationBackend, GroupRequest, GroupResult
+from scd.generation.base import GenerationBackend, GroupResult
 from scd.ledger import PromptState
 from scd.records import Completion, FinishReason
 from tests.conftest import ScdProcess, tiny_config, write_config
@@ -54,21 +53,16 @@ async def crash_mid_generation_and_resume(config: Any, backend: GenerationBacken
     siblings come back whole, only the missing ones are generated, and each group commits with the
     staged rows in it.  Returns how many siblings were reused."""
     async with Controller.open(config, backend) as controller:
-        requests = [await controller.admit() for _ in range(4)]
+        requests = [await controller.rollouts.admit() for _ in range(4)]
         if max_tokens is not None:
             requests = [replace(r, max_tokens=max_tokens) for r in requests]
-        to_commit, commit_in = anyio.create_memory_object_stream[CommitItem](math.inf)
-
-        def report(request: GroupRequest, index: int, completion: Completion) -> None:
-            controller.on_sibling(request, index, completion, to_commit)
-
         async with anyio.create_task_group() as tg:
-            tg.start_soon(controller.committer, commit_in)
+            await tg.start(controller.rollouts.committer)
             generating = anyio.CancelScope()
 
             async def generate() -> None:
                 with generating:
-                    await controller.backend.generate(requests, report)
+                    await controller.backend.generate(requests, controller.rollouts.on_sibling)
                 generating.cancel()  # done: nothing more will be staged
 
             tg.start_soon(generate)
@@ -79,7 +73,7 @@ async def crash_mid_generation_and_resume(config: Any, backend: GenerationBacken
             assert await checkpoint_now(controller) == "completed"
             generating.cancel()  # the crash: nothing generated after this point survives
             tg.cancel_scope.cancel()
-        finished = {gid: dict(siblings) for gid, siblings in controller._finished.items()}
+        finished = {r.group_id: controller.rollouts.finished_siblings(r.group_id) for r in requests}
         await controller.dataplane.clear_all()  # the crash took TQ's contents with it
 
     bundle = verify_bundle(layout.finalized_bundles(Path(config.checkpointing.dir))[-1])
@@ -96,21 +90,20 @@ async def crash_mid_generation_and_resume(config: Any, backend: GenerationBacken
         for gid, siblings in staged_rows.items():
             # Read back whole: tokens and logprobs as generated, under the version that made them.
             for index, completion in siblings.items():
-                back = controller._finished[gid][index]
+                back = controller.rollouts.finished_siblings(gid)[index]
                 assert back.token_ids == completion.token_ids and back.weight_version == completion.weight_version
                 # Logprobs are stored as float32, as the rows trained on are.
                 assert back.logprobs == torch.tensor(completion.logprobs, dtype=torch.float32).tolist()
-            assert controller._request(gid).siblings == tuple(i for i in range(8) if i not in siblings)
+            assert controller.rollouts.request(gid).siblings == tuple(i for i in range(8) if i not in siblings)
 
         # Generation finishes only the missing siblings; the committed group holds the staged ones.
-        to_commit, commit_in = anyio.create_memory_object_stream[CommitItem](math.inf)
-        redone = [controller._request(gid) for gid in staged]
+        redone = [controller.rollouts.request(gid) for gid in staged]
         async with anyio.create_task_group() as tg:
-            tg.start_soon(controller.committer, commit_in)
+            await tg.start(controller.rollouts.committer)
             for result in await controller.backend.generate(redone, lambda *reported: None):
                 assert len(result.completions) == len(result.request.siblings)
-                assert await controller.gather(result, to_commit)
-            while controller.awaiting_commit:
+                assert controller.rollouts.gather(result)
+            while controller.rollouts.statistics().awaiting_commit:
                 await anyio.sleep(0.01)
             tg.cancel_scope.cancel()
         assert sum(len(r.siblings) for r in redone) == 8 * len(redone) - reused
@@ -213,21 +206,20 @@ async def test_staged_siblings_outside_the_window_are_generated_again(partition:
                          async_rl={"sampler": {"name": "windowed", "max_staleness_versions": 1}},
                          checkpointing={"enabled": True, "dir": str(tmp_path / "checkpoints"), "interval_s": 3600})
     async with Controller.open(config) as controller:
-        to_commit, commit_in = anyio.create_memory_object_stream[CommitItem](math.inf)
-        live_request, restored_request = await controller.admit(), await controller.admit()
-        for request, indices in ((live_request, (0, 1, 2)), (restored_request, (3, 5))):
-            for index in indices:
-                controller.on_sibling(request, index, Completion([7, 8, index], [-0.5, -0.25, -1.0],
-                                                                 FinishReason.STOP, 0), to_commit)
+        live_request, restored_request = await controller.rollouts.admit(), await controller.rollouts.admit()
         async with anyio.create_task_group() as tg:
-            tg.start_soon(controller.committer, commit_in)
+            await tg.start(controller.rollouts.committer)
+            for request, indices in ((live_request, (0, 1, 2)), (restored_request, (3, 5))):
+                for index in indices:
+                    controller.rollouts.on_sibling(request, index, Completion([7, 8, index], [-0.5, -0.25, -1.0],
+                                                                              FinishReason.STOP, 0))
             await wait_for(lambda: len(controller.state.ledger.staged_keys()) == 5)
             # Two steps on: weight version 2, window 1, so siblings of version 0 are stale.
             await controller.state.finish_step([])
             await controller.state.finish_step([])
             # Live: an aborted attempt goes back to generation whole, its stale staged siblings dropped.
             aborted = GroupResult(live_request, [], end_weight_version=2, aborted="aborted by vLLM")
-            again = await controller.redispatch_aborted(aborted, to_commit)
+            again = await controller.rollouts.redispatch_aborted(aborted)
             assert again.siblings == tuple(range(8))
             await wait_for(lambda: controller.state.ledger.entry(live_request.group_id).staged == ())
             assert await controller.dataplane.list_keys() == {f"{restored_request.group_id}/3/v0",
@@ -245,7 +237,7 @@ async def test_staged_siblings_outside_the_window_are_generated_again(partition:
         assert (restore["siblings_reused"], restore["siblings_rerun"]) == (0, 2)
         assert controller.state.ledger.entry(restored_request.group_id).staged == ()
         assert await controller.dataplane.list_keys() == set()
-        assert controller._request(restored_request.group_id).siblings == tuple(range(8))
+        assert controller.rollouts.request(restored_request.group_id).siblings == tuple(range(8))
 
 
 async def test_staged_siblings_are_counted_while_staged_and_not_once_their_groups_commit(
@@ -255,12 +247,9 @@ async def test_staged_siblings_are_counted_while_staged_and_not_once_their_group
     config = tiny_config(tmp_path, partition, generation=SYNTHETIC)
     async with Controller.open(config) as controller:
         state = controller.state
-        requests = [await controller.admit() for _ in range(4)]
-        to_commit, commit_in = anyio.create_memory_object_stream[CommitItem](math.inf)
+        rollouts = controller.rollouts
+        requests = [await rollouts.admit() for _ in range(4)]
         seen: list[tuple[int, int]] = []  # (statistics, the ledger's staged keys) while generating
-
-        def report(request: GroupRequest, index: int, completion: Completion) -> None:
-            controller.on_sibling(request, index, completion, to_commit)
 
         async def observe() -> None:
             while True:
@@ -268,11 +257,11 @@ async def test_staged_siblings_are_counted_while_staged_and_not_once_their_group
                 await anyio.sleep(0.005)
 
         async with anyio.create_task_group() as tg:
-            tg.start_soon(controller.committer, commit_in)
+            await tg.start(rollouts.committer)
             tg.start_soon(observe)
-            for result in await controller.backend.generate(requests, report):
-                assert await controller.gather(result, to_commit)
-            await wait_for(lambda: controller.awaiting_commit == 0)
+            for result in await controller.backend.generate(requests, rollouts.on_sibling):
+                assert rollouts.gather(result)
+            await wait_for(lambda: rollouts.statistics().awaiting_commit == 0)
             tg.cancel_scope.cancel()
         assert all(counted == staged for counted, staged in seen)
         assert max(counted for counted, _ in seen) > 0

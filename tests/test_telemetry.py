@@ -14,6 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from scd.checkpoint import layout
 from scd.daemon import Controller, Triggers
+from scd.schema import RestorePhase
 from tests.conftest import REPO, SCD, ScdProcess, free_port, tiny_config, write_config
 from tests.test_process import scrape
 
@@ -78,8 +79,8 @@ def test_families_after_checkpoint_failure_and_restore(tmp_path: Path, scd_proce
     second.wait_for_line(f"step {k + 2} ")
     text = scrape(port)
     assert value(text, "scd_restore_phase_seconds_count", phase="total") == 1
-    for phase in ("resolve", "dataloader", "tq", "replay_metadata", "ledger"):
-        assert value(text, "scd_restore_phase_seconds_count", phase=phase) == 1
+    for phase in RestorePhase:
+        assert value(text, "scd_restore_phase_seconds_count", phase=phase.value) == 1
     assert value(text, "scd_restore_phase_seconds_sum", phase="total") < 30
     restored = value(text, "scd_recovery_groups_restored")
     evicted = value(text, "scd_recovery_groups_evicted_stale")
@@ -96,6 +97,11 @@ def test_families_after_checkpoint_failure_and_restore(tmp_path: Path, scd_proce
     assert len(starts) == 2
     restore = next(e for e in events if e["event"] == "restore")
     assert restore["step"] == k and restore["groups_restored"] == restored
+    # Every phase is timed, and they follow one another: together they are the whole restore.
+    phases = restore["phases"]
+    assert set(phases) == {p.value for p in RestorePhase}
+    assert sum(v for p, v in phases.items() if p != "total") == pytest.approx(phases["total"], abs=1e-3)
+    assert phases["first_weight_sync"] > 0 and phases["policy_load"] > 0
     assert events[starts[1]]["time"] > max(e["time"] for e in events[: starts[1]])
     assert any(e["event"] == "sample" for e in events)
     train = [e for e in events if e["event"] == "train_step"]

@@ -145,7 +145,7 @@ async def test_an_aborted_group_is_never_committed_and_goes_back_to_dispatch(
         engine: VLLMBackend, tiny_llama: Path, tmp_path: Path, partition: str) -> None:
     config = vllm_config(tiny_llama, tmp_path / "out", partition, generation={"max_new_tokens": 56})
     async with Controller.open(config, backend=engine) as controller:
-        req = await controller.admit()
+        req = await controller.rollouts.admit()
         results = []
 
         async def generate() -> None:
@@ -153,18 +153,17 @@ async def test_an_aborted_group_is_never_committed_and_goes_back_to_dispatch(
 
         async with anyio.create_task_group() as tg:
             tg.start_soon(generate)
-            while not engine._running:
+            while not engine.running_requests():
                 await anyio.sleep(0)
             # The window moved past the version this request started under.
             assert await engine.abort_older_than(10_000) == 1
         [result] = results
         assert "stale" in result.incomplete_reason()
         with pytest.raises(InvariantViolation, match="incomplete"):
-            await controller.commit(result)
-        to_commit, commit_in = anyio.create_memory_object_stream[Any](8)
-        again = await controller.redispatch_aborted(result, to_commit)
+            await controller.rollouts.commit(result)
+        again = await controller.rollouts.redispatch_aborted(result)
         assert again.group_id == req.group_id and again.siblings == req.siblings
-        assert commit_in.statistics().current_buffer_used == 0  # nothing finished, nothing to unstage
+        assert controller.rollouts.finished_siblings(req.group_id) == {}  # nothing finished, nothing to unstage
         entry = controller.state.ledger.entry(req.group_id)
         assert entry.state is PromptState.IN_FLIGHT and "stale" in entry.reason
         assert len(controller.state.replay) == 0 and await controller.dataplane.list_keys() == set()
@@ -200,7 +199,7 @@ async def test_drain_and_aborts_commit_no_truncated_group_and_lose_no_prompt(
     async with Controller.open(config, backend=engine) as controller:
 
         async def shut_down_mid_generation() -> None:
-            while controller.state.trainer_step < 3 or not engine._running:
+            while controller.state.trainer_step < 3 or not engine.running_requests():
                 await anyio.sleep(0.01)
             triggers.shutdown.set()
 

@@ -47,7 +47,7 @@ class CheckpointFailed(ScdError):
     """Checkpointing gave up: too many failures in a row, or the last checkpoint before exit failed."""
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class CheckpointerStatistics:
     completed: int
     skipped: int

@@ -1,11 +1,18 @@
-"""Restoring a bundle, before any pump or ordinary data-plane operation (DESIGN §4).
+"""Restoring a bundle, before any pump or ordinary data-plane operation: one path, start to end.
 
-Order: resolve -> verify offline (digests before TQ unpickles anything) ->
-check against this run's config -> trainer -> dataloader -> TQ into a clean
-data plane -> replay index (no tensor re-put) with exact inventory -> ledger and
-cursor -> ``ControllerState.install``.  Any failure is an ``InvariantViolation``
-(exit 3) naming the bundle.  What follows a restore (evicting stale groups,
-syncing weights to generation) is the daemon's, with the state installed here.
+Order, one timed phase each (``RestorePhase``): resolve the bundle and check its
+files' digests (before TQ unpickles anything) -> decode the replay metadata and
+check it against this run's config -> the dataloader's cursor against the
+ledger -> TQ must be clean -> load the policy -> TQ's snapshot -> the exact
+inventory -> ``ControllerState.install`` -> read the in-window staged siblings
+back (older ones are unstaged) -> evict stale groups -> the first weight sync ->
+requeue in-flight prompts for generation.  Then admission may start.  Every
+refusal comes before the trainer or TQ is loaded, except the inventory check,
+which needs TQ's snapshot.  A bundle that fails a check is an
+``InvariantViolation`` (exit 3) naming it and the newest older bundle that
+verifies; TQ holding another run's partitions and an older ``--restore-from``
+without ``--discard-newer`` are usage errors (exit 2).  Restore records its own
+telemetry, as save does.
 """
 
 from __future__ import annotations
@@ -14,9 +21,11 @@ import logging
 import os
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 
@@ -27,34 +36,73 @@ from scd.checkpoint.verify import (
     VerifiedBundle,
     legacy_replay_error,
     newest_verifying,
+    read_metadata,
     storage_units_of,
-    verify_bundle,
+    verify_files,
 )
 from scd.config import Config
 from scd.dataloader import DataloaderState, PromptOrder
 from scd.dataplane import DataPlane
 from scd.errors import ConfigError, InvariantViolation
-from scd.ledger import PromptLedger, PromptState
+from scd.generation.base import GenerationBackend
+from scd.ledger import PromptLedger, PromptState, staged_key
+from scd.records import Completion
 from scd.replay import ReplayIndex, require_cut_inventory, require_exact_inventory
+from scd.rollouts import Rollouts
 from scd.samplers import DispatchView, SamplerStateError
 from scd.schema import RestorePhase, SchemaError, TrainingInfo, decode
 from scd.state import ControllerState, Restored
+from scd.telemetry import metrics
+from scd.telemetry.events import EventLog
 from scd.training.grpo import GRPOTrainer
+
+T = TypeVar("T")
 
 log = logging.getLogger(__name__)
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
+class RestoreParts:
+    """What a restore puts back or reads from: the controller's parts, never the controller."""
+
+    state: ControllerState
+    dataplane: DataPlane
+    trainer: GRPOTrainer
+    generation: GenerationBackend
+    rollouts: Rollouts
+    events: EventLog
+
+
+@dataclass(frozen=True, slots=True)
 class RestoreReport:
     bundle: Path
     step: int
     bundle_time: float  # wall-clock time of the bundle's cut
     groups_restored: int
+    groups_evicted_stale: int
     prompts_redispatched: int
     shadow: bool
     uncut_groups_cleared: int  # groups put while the bundle's TQ save ran: in its snapshot, not in its cut
-    staged_siblings_not_loaded: int  # a shadow restore loads no TQ snapshot: its staged siblings run again
+    siblings_reused: int
+    siblings_rerun: int  # out of the staleness window, or not loaded (a shadow restore loads no TQ snapshot)
     phases: dict[str, float] = field(default_factory=dict)
+
+
+class _PhaseClock:
+    """Each lap is charged to one phase; ``total`` runs from the clock's start."""
+
+    def __init__(self) -> None:
+        self.started = self._last = time.monotonic()
+        self.phases: dict[str, float] = {}
+
+    def lap(self, phase: RestorePhase) -> None:
+        now = time.monotonic()
+        self.phases[phase] = self.phases.get(phase, 0.0) + now - self._last
+        self._last = now
+
+    def stop(self) -> dict[str, float]:
+        self.phases[RestorePhase.TOTAL] = time.monotonic() - self.started
+        return self.phases
 
 
 def resolve_bundle(root: Path, restore_from: Path | None, discard_newer: bool = False) -> Path | None:
@@ -137,10 +185,10 @@ def abandon_bundles(root: Path, bundles: list[Path]) -> Path:
     return target
 
 
-def verify_or_point_elsewhere(bundle: Path, explicit: bool) -> VerifiedBundle:
-    """``verify_bundle``; a bundle that fails names the newest older one that verifies and how to restore it."""
+def verify_or_point_elsewhere(bundle: Path, explicit: bool, check: Callable[[], T]) -> T:
+    """``check()``; a bundle that fails it names the newest older one that verifies (unless chosen by hand)."""
     try:
-        return verify_bundle(bundle)
+        return check()
     except BundleError as exc:
         raise BundleError(bundle, exc.reason + older_bundle_hint(bundle, explicit)) from None
 
@@ -204,63 +252,132 @@ def check_against_config(config: Config, state: ControllerState, verified: Verif
             refuse(str(exc))
 
 
-async def restore_state(config: Config, state: ControllerState, dataplane: DataPlane, trainer: GRPOTrainer,
-                        restore_from: Path | None, allow_config_change: bool) -> RestoreReport | None:
-    phases: dict[str, float] = {}
-    uncut_cleared = 0
-    started = clock = time.monotonic()
-
-    def lap(phase: RestorePhase) -> None:
-        nonlocal clock
-        now = time.monotonic()
-        phases[phase] = phases.get(phase, 0.0) + now - clock
-        clock = now
-
+async def restore_state(config: Config, parts: RestoreParts, restore_from: Path | None,
+                        allow_config_change: bool, discard_newer: bool = False) -> RestoreReport | None:
+    """The newest finalized bundle (or ``restore_from``) put back, up to the first admission; None for
+    an empty start."""
+    state, dataplane = parts.state, parts.dataplane
+    clock = _PhaseClock()
     root = Path(config.checkpointing.dir)
-    bundle = resolve_bundle(root, restore_from)
+    bundle = resolve_bundle(root, restore_from, discard_newer)
     if bundle is None:
         log.info("no checkpoint in %s: starting empty", root)
         return None
-    verified = verify_or_point_elsewhere(bundle, explicit=restore_from is not None)
+    explicit = restore_from is not None
+    info = verify_or_point_elsewhere(bundle, explicit, lambda: verify_files(bundle))
+    clock.lap(RestorePhase.RESOLVE)
+    verified = verify_or_point_elsewhere(bundle, explicit, lambda: read_metadata(bundle, info))
     check_against_config(config, state, verified, allow_config_change)
-    info, sidecar = verified.info, verified.sidecar
+    sidecar = verified.sidecar
     shadow = not state.sampler.supports_replay_checkpoint
-    lap(RestorePhase.RESOLVE)
+    clock.lap(RestorePhase.REPLAY_METADATA)
 
-    # Trainer: weights and optimizer, tensors only.
-    trainer.model.load_state_dict(torch.load(bundle / layout.MODEL_FILE, weights_only=True))
-    trainer.optimizer.load_state_dict(torch.load(bundle / layout.OPTIMIZER_FILE, weights_only=True))
     dl = verified.dataloader
     dataloader = DataloaderState(seed=dl.seed, epoch=dl.epoch, cursor=dl.cursor)
-    require_cursor_ahead_of_ledger(PromptOrder(state.order.num_prompts, dataloader), verified.ledger, bundle)
-    lap(RestorePhase.DATALOADER)
+    verify_or_point_elsewhere(bundle, explicit, lambda: require_cursor_ahead_of_ledger(
+        PromptOrder(state.order.num_prompts, dataloader), verified.ledger, bundle))
+    clock.lap(RestorePhase.DATALOADER)
+    # Every refusal comes before anything is loaded: the trainer and TQ stay as they were.
+    if not shadow:
+        await require_clean_data_plane(dataplane, bundle)
+    clock.lap(RestorePhase.TQ)
+
+    parts.trainer.load_state(torch.load(bundle / layout.MODEL_FILE, weights_only=True),
+                             torch.load(bundle / layout.OPTIMIZER_FILE, weights_only=True))
+    clock.lap(RestorePhase.POLICY_LOAD)
 
     if shadow:
         log.warning("sampler %s does not support replay recovery: its TQ snapshot was saved in shadow mode; "
                     "its %d ready groups are generated again", state.sampler.name, len(sidecar.groups))
     else:
-        await load_into_clean_data_plane(dataplane, bundle)
-    lap(RestorePhase.TQ)
+        faults.hit("during_restore_tq_load")
+        await dataplane.load_snapshot(bundle / layout.DATA_PLANE_DIR)
+    clock.lap(RestorePhase.TQ)
 
-    # The index verify_bundle rebuilt (each group checked, the digest matched): installed as it is.
+    # The index read_metadata rebuilt (each group checked, the digest matched): installed as it is.
     index = ReplayIndex() if shadow else verified.index
-    staged = verified.ledger.staged_keys()
+    staged_in_bundle = verified.ledger.staged_keys()
+    uncut_cleared = 0
     if not shadow:
         faults.hit("during_restore_index")
-        expected = index.keys() | staged
-        uncut_cleared = await clear_uncut_groups(dataplane, expected, set(sidecar.uncut_keys), bundle)
-    lap(RestorePhase.REPLAY_METADATA)
+        try:
+            uncut_cleared = await clear_uncut_groups(dataplane, index.keys() | staged_in_bundle,
+                                                     set(sidecar.uncut_keys), bundle)
+        except InvariantViolation as exc:
+            raise BundleError(bundle, f"{exc}{older_bundle_hint(bundle, explicit)}") from None
+    clock.lap(RestorePhase.TQ_INVENTORY)
 
-    staged_not_loaded = len(staged) if shadow else 0
     state.install(Restored(
         step=info.step, weight_version=info.weight_version, dataloader=dataloader, index=index,
         ledger=verified.ledger, sampler_state=sidecar.sampler.state, shadow=shadow,
     ))
-    redispatched = len(state.ledger.in_state(PromptState.IN_FLIGHT))
-    lap(RestorePhase.LEDGER)
-    phases[RestorePhase.TOTAL] = time.monotonic() - started
-    return RestoreReport(bundle, info.step, info.time, len(state.replay), redispatched, shadow, uncut_cleared,
-                         staged_not_loaded, phases)
+    clock.lap(RestorePhase.LEDGER)
+
+    reused, rerun = await restore_staged_siblings(state, dataplane, parts.rollouts)
+    rerun += len(staged_in_bundle) if shadow else 0
+    clock.lap(RestorePhase.SIBLINGS)
+    evicted = await parts.rollouts.evict_stale()
+    clock.lap(RestorePhase.EVICT)
+    await parts.generation.update_weights(parts.trainer.weights(), state.weight_version)
+    clock.lap(RestorePhase.FIRST_WEIGHT_SYNC)
+    redispatched = await parts.rollouts.requeue_in_flight()
+    clock.lap(RestorePhase.REDISPATCH)
+
+    report = RestoreReport(
+        bundle=bundle, step=info.step, bundle_time=info.time, groups_restored=len(state.replay),
+        groups_evicted_stale=evicted, prompts_redispatched=redispatched, shadow=shadow,
+        uncut_groups_cleared=uncut_cleared, siblings_reused=reused, siblings_rerun=rerun, phases=clock.stop(),
+    )
+    await record_restore(report, parts.events)
+    return report
+
+
+async def restore_staged_siblings(state: ControllerState, dataplane: DataPlane,
+                                  rollouts: Rollouts) -> tuple[int, int]:
+    """The restored cut's staged siblings: those within the staleness window are read back and handed
+    to ``rollouts`` (not generated again); older ones are unstaged, to be generated again.
+
+    Returns (reused, rerun).
+    """
+    window_start = state.window_start()
+    reusable: list[tuple[str, int, int]] = []
+    rerun = 0
+    for group_id in state.ledger.in_state(PromptState.IN_FLIGHT):
+        staged = state.ledger.entry(group_id).staged
+        stale = tuple((index, version) for index, version in staged if version < window_start)
+        if stale:
+            await state.unstage_siblings(group_id, stale)
+            rerun += len(stale)
+        reusable.extend((group_id, index, version) for index, version in staged if version >= window_start)
+    read = await dataplane.get_siblings([staged_key(*sibling) for sibling in reusable])
+    siblings: dict[str, dict[int, Completion]] = {}
+    for (group_id, index, version), (token_ids, logprobs, finish) in zip(reusable, read, strict=True):
+        siblings.setdefault(group_id, {})[index] = Completion(token_ids, logprobs, finish, version)
+    rollouts.keep_restored(siblings)
+    return len(reusable), rerun
+
+
+async def record_restore(report: RestoreReport, events: EventLog) -> None:
+    """The restore's outcome on /metrics, in the log and as a ``restore`` event."""
+    for phase, seconds in report.phases.items():
+        metrics.restore_phase.labels(phase).observe(seconds)
+    metrics.recovery_siblings_reused.inc(report.siblings_reused)
+    metrics.recovery_siblings_rerun.inc(report.siblings_rerun)
+    metrics.recovery_groups_restored.set(report.groups_restored)
+    metrics.recovery_groups_evicted_stale.set(report.groups_evicted_stale)
+    metrics.recovery_prompts_redispatched.set(report.prompts_redispatched)
+    log.info("restored %s: step %d, %d groups ready, %d evicted stale, %d prompts to redispatch, "
+             "%d finished siblings reused, %d to generate again%s (%.2fs)",
+             report.bundle, report.step, report.groups_restored, report.groups_evicted_stale,
+             report.prompts_redispatched, report.siblings_reused, report.siblings_rerun,
+             " [shadow: replay index not restored]" if report.shadow else "", report.phases[RestorePhase.TOTAL])
+    await events.emit(
+        "restore", report.step, bundle=str(report.bundle), phases=report.phases,
+        groups_restored=report.groups_restored, groups_evicted_stale=report.groups_evicted_stale,
+        prompts_redispatched=report.prompts_redispatched, shadow=report.shadow,
+        uncut_groups_cleared=report.uncut_groups_cleared, siblings_reused=report.siblings_reused,
+        siblings_rerun=report.siblings_rerun,
+    )
 
 
 async def clear_uncut_groups(dataplane: DataPlane, expected: set[str], uncut: set[str], bundle: Path) -> int:
@@ -283,7 +400,7 @@ async def clear_uncut_groups(dataplane: DataPlane, expected: set[str], uncut: se
     return len(extra)
 
 
-async def load_into_clean_data_plane(dataplane: DataPlane, bundle: Path) -> None:
+async def require_clean_data_plane(dataplane: DataPlane, bundle: Path) -> None:
     """``tq.load_checkpoint`` replaces all of TQ's state, every partition's: refuse unless nothing has used
     this data plane and TQ holds no row at all, scd's or another user's of the same TQ."""
     if dataplane.data_ops:
@@ -304,8 +421,6 @@ async def load_into_clean_data_plane(dataplane: DataPlane, bundle: Path) -> None
             "snapshot, which replaces every partition and would wipe them; nothing was loaded. Restore into a "
             "TQ of its own (leave data_plane.ray.address empty for a private Ray, or join another cluster), "
             "or clear those partitions first if nobody needs them"))
-    faults.hit("during_restore_tq_load")
-    await dataplane.load_snapshot(bundle / layout.DATA_PLANE_DIR)
 
 
 def require_cursor_ahead_of_ledger(order: PromptOrder, ledger: PromptLedger, bundle: Path) -> None:

@@ -79,6 +79,11 @@ def storage_units_of(info: TrainingInfo) -> int:
 
 def verify_bundle(bundle: Path) -> VerifiedBundle:
     """Schema, file digests, each group, sidecar digest and counts, ledger consistency; raises ``BundleError``."""
+    return read_metadata(bundle, verify_files(bundle))
+
+
+def verify_files(bundle: Path) -> TrainingInfo:
+    """The commit marker, ``training_info.json`` and every file's BLAKE3 digest; nothing else is decoded."""
     _require(bundle.is_dir(), bundle, "is not a directory")
     if (bundle / layout.LEGACY_REPLAY_FILE).exists():
         raise legacy_replay_error(bundle / layout.LEGACY_REPLAY_FILE)
@@ -111,7 +116,11 @@ def verify_bundle(bundle: Path) -> VerifiedBundle:
     for name, digest in info.files.items():
         _require(layout.file_digest(bundle / name) == digest, bundle,
                  f"{name} does not match its BLAKE3 digest in {layout.TRAINING_INFO_FILE} (corrupt or tampered)")
+    return info
 
+
+def read_metadata(bundle: Path, info: TrainingInfo) -> VerifiedBundle:
+    """Decode the sidecar, dataloader and ledger of a bundle whose files verified; each group checked on its own."""
     try:
         sidecar = decode(bundle / layout.SIDECAR_FILE, Sidecar)
         dataloader = decode(bundle / layout.DATALOADER_FILE, DataloaderDocument)

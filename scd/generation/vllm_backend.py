@@ -169,6 +169,10 @@ class VLLMBackend:
     def generated_tokens(self) -> int:
         return self._tokens
 
+    def running_requests(self) -> int:
+        """Requests the engine is generating now."""
+        return len(self._running)
+
     async def aclose(self) -> None:
         # Stop reading outputs first: once the engine core is gone the reader would log EngineDeadError.
         if self._engine.output_handler is not None:

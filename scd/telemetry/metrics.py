@@ -1,4 +1,4 @@
-"""Every Prometheus family scd exports (DESIGN §7), on the default registry.
+"""Every Prometheus family scd exports, on the default registry.
 
 The default registry is deliberate: vLLM registers its own families there, so
 one /metrics shows both.

@@ -65,6 +65,11 @@ class GRPOTrainer:
             "param_groups": optimizer["param_groups"],
         })
 
+    def load_state(self, model: dict[str, torch.Tensor], optimizer: dict[str, Any]) -> None:
+        """Weights and optimizer state as ``state_copy`` gave them (a restored bundle's)."""
+        self.model.load_state_dict(model)
+        self.optimizer.load_state_dict(optimizer)
+
     def step(self, groups: Sequence[Sequence[Rollout]], weight_version: int) -> StepResult:
         """One optimisation step on ``groups`` with the weights of ``weight_version``; blocking (worker thread)."""
         rows = [row for group in groups for row in group]

@@ -1,0 +1,334 @@
+"""A group's life from admission to commit, owned by one object.
+
+A group is admitted (the cursor advances and the ledger records it in flight),
+requested from generation (all siblings at first, the missing ones after an
+abort or a restore), gathered sibling by sibling, and committed once complete.
+A sibling that finishes while others of its group still run is staged in TQ,
+so a crash does not lose it.
+
+A finished sibling lives in up to three stores, kept consistent here and only
+here: ``Rollouts`` holds it in memory (the next attempt at its group asks only
+for the others); once staged, the ledger names it and TQ's staging partition
+holds its bytes.  The rules:
+
+* a sibling is staged only while its group is in flight and still holds that
+  very completion (the group may have completed or dropped it meanwhile);
+* a sibling older than the staleness window is dropped from memory and then
+  unstaged, in that order, through the committer's one stream, so a staging put
+  and the unstage of the same key never race;
+* a group is committed whole: exactly ``group_size`` complete siblings.
+
+Like vLLM's ``ParentRequest``, which keeps a request's children together, this
+module never reaches up: the pumps that wait on it are woken through the
+``on_change`` callback the daemon hands in.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, replace
+
+import anyio
+import torch
+from anyio.abc import TaskStatus
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+
+from scd.config import Config
+from scd.errors import InvariantViolation
+from scd.generation.base import GroupRequest, GroupResult
+from scd.ledger import StagedSiblings
+from scd.records import COMPLETE, Completion, Rollout
+from scd.replay import GroupMeta, sample_ids_for
+from scd.state import ControllerState
+from scd.tasks import Prompt, score
+from scd.telemetry import metrics
+from scd.training.policy import Policy
+
+log = logging.getLogger(__name__)
+
+STAGE_BATCH_MAX = 256  # siblings staged in one TQ put
+
+
+@dataclass(frozen=True, slots=True)
+class SiblingFinished:
+    """A sibling finished while others of its group still run: the committer stages it."""
+
+    request: GroupRequest
+    index: int
+    completion: Completion
+
+
+@dataclass(frozen=True, slots=True)
+class SiblingsStale:
+    """Finished siblings of an aborted group that fell out of the staleness window: unstage them."""
+
+    group_id: str
+    siblings: StagedSiblings
+
+
+# A finished group is a GroupResult asking for every sibling, its completions gathered across
+# attempts (and a restored cut) by sibling index.
+CommitItem = SiblingFinished | SiblingsStale | GroupResult
+
+
+@dataclass(frozen=True, slots=True)
+class RolloutsStatistics:
+    awaiting_commit: int  # complete groups queued for the committer (still in flight in the ledger)
+    committed_tokens: int  # completion tokens of committed groups
+    groups_with_finished_siblings: int
+    finished_siblings: int  # held in memory for groups still in flight, staged or not
+
+
+class Rollouts:
+    def __init__(self, config: Config, state: ControllerState, policy: Policy, prompts: list[Prompt],
+                 on_change: Callable[[], None]) -> None:
+        self._config = config
+        self._state = state
+        self._policy = policy
+        self._prompts = prompts
+        self._on_change = on_change
+        self._group_size = config.generation.group_size
+        # Token ids and completion budget per prompt, encoded once.
+        self._encoded = [
+            (tuple(policy.encode_prompt(p.text)),
+             min(len(policy.encode_answer(p.answer)), config.generation.max_new_tokens))
+            for p in prompts
+        ]
+        # Finished siblings of in-flight groups, by group id and sibling index.
+        self._finished: dict[str, dict[int, Completion]] = {}
+        self._awaiting_commit = 0
+        self._committed_tokens = 0
+        # In-flight groups to generate before any new admission; None until a restore (or a run) lists them.
+        self._requeued: list[GroupRequest] | None = None
+        # The committer's stream, open while the committer runs.
+        self._to_commit: MemoryObjectSendStream[CommitItem] | None = None
+
+    def statistics(self) -> RolloutsStatistics:
+        return RolloutsStatistics(
+            awaiting_commit=self._awaiting_commit, committed_tokens=self._committed_tokens,
+            groups_with_finished_siblings=len(self._finished),
+            finished_siblings=sum(len(siblings) for siblings in self._finished.values()),
+        )
+
+    def finished_siblings(self, group_id: str) -> dict[int, Completion]:
+        """A copy of ``group_id``'s finished siblings by index (empty when none)."""
+        return dict(self._finished.get(group_id, {}))
+
+    # ---- admission and requests --------------------------------------------------------------
+
+    def has_capacity(self) -> bool:
+        """Room for one more admission: generation slots, the commit queue, the buffer, the sampler's gate."""
+        state, config = self._state, self._config
+        return (
+            state.in_flight - self._awaiting_commit < config.generation.max_inflight_prompts
+            and self._awaiting_commit < config.generation.commit_queue_groups
+            and state.in_flight + len(state.replay) < config.async_rl.buffer_capacity_groups
+            and state.sampler.may_dispatch(state.trainer_step)
+        )
+
+    def request(self, group_id: str) -> GroupRequest:
+        """The group's siblings that are not finished yet (all of them for a new prompt)."""
+        entry = self._state.ledger.entry(group_id)
+        prompt_ids, max_tokens = self._encoded[entry.prompt_id]
+        finished = self._finished.get(group_id, {})
+        missing = tuple(i for i in range(self._group_size) if i not in finished)
+        return GroupRequest(group_id, entry.epoch, entry.prompt_id, prompt_ids, missing, max_tokens,
+                            entry.target_step, time.time())
+
+    async def admit(self) -> GroupRequest:
+        return self.request(await self._state.admit())
+
+    async def requeue_in_flight(self) -> int:
+        """List every prompt the ledger holds in flight (a run that stopped mid-generation left them
+        there) as a request for its missing siblings, to be generated before anything new is admitted."""
+        self._requeued = [self.request(group_id) for group_id in await self._state.redispatch_in_flight()]
+        return len(self._requeued)
+
+    async def take_requeued(self) -> list[GroupRequest]:
+        """The requests ``requeue_in_flight`` listed (a restore lists them), listed now if nothing did."""
+        if self._requeued is None:
+            await self.requeue_in_flight()
+        requeued, self._requeued = self._requeued or [], None
+        return requeued
+
+    def keep_restored(self, siblings: Mapping[str, Mapping[int, Completion]]) -> None:
+        """A restore's staged siblings, read back from TQ: their groups' next requests skip them."""
+        for group_id, by_index in siblings.items():
+            self._finished.setdefault(group_id, {}).update(by_index)
+
+    # ---- what generation reports -------------------------------------------------------------
+
+    def on_sibling(self, request: GroupRequest, index: int, completion: Completion) -> None:
+        """A backend reports a finished sibling; while others of its group run, it is worth staging.
+
+        Once the committer has stopped (the run is ending; its last bundle holds the group in
+        flight) the sibling is only kept in memory, for a later run of this controller.
+        """
+        finished = self._finished.setdefault(request.group_id, {})
+        finished[index] = completion
+        if len(finished) < self._group_size and self._to_commit is not None:
+            self._to_commit.send_nowait(SiblingFinished(request, index, completion))
+
+    def gather(self, result: GroupResult) -> bool:
+        """Record a request's complete siblings; a group with all of them goes to the committer.
+
+        Returns False when the group needs another attempt.  Once the committer has stopped (the
+        run is ending) a complete group stays in flight, its siblings in memory, like ``on_sibling``'s.
+        """
+        request = result.request
+        finished = self._finished.setdefault(request.group_id, {})
+        for index, completion in zip(request.siblings, result.completions, strict=False):
+            if completion.finish_reason in COMPLETE:
+                finished.setdefault(index, completion)
+        if len(finished) < self._group_size:
+            return False
+        if self._to_commit is None:
+            return True
+        del self._finished[request.group_id]
+        # Generation is done with it: its slot goes to the next prompt, even while commits wait on a TQ save.
+        self._awaiting_commit += 1
+        self._on_change()
+        self._to_commit.send_nowait(GroupResult(replace(request, siblings=tuple(range(self._group_size))),
+                                                [finished[i] for i in range(self._group_size)],
+                                                result.end_weight_version))
+        return True
+
+    async def redispatch_aborted(self, result: GroupResult) -> GroupRequest:
+        """A group generation gave back incomplete goes to generation again for its missing siblings;
+        finished ones older than the staleness window are dropped (and unstaged) first.  The ledger
+        keeps why."""
+        group_id, reason = result.request.group_id, result.incomplete_reason()
+        finished = self._finished.get(group_id, {})
+        window_start = self._state.window_start()
+        stale = tuple((i, c.weight_version) for i, c in sorted(finished.items()) if c.weight_version < window_start)
+        for index, _ in stale:
+            del finished[index]
+        if stale and self._to_commit is not None:
+            self._to_commit.send_nowait(SiblingsStale(group_id, stale))
+        await self._state.note_redispatch(group_id, reason)
+        metrics.groups_redispatched.inc()
+        log.info("group %s back to generation: %s (%d finished siblings kept)", group_id, reason, len(finished))
+        return self.request(group_id)
+
+    async def evict_stale(self) -> int:
+        """Drop every ready group the sampler calls stale now; returns how many."""
+        stale = await self._state.evict_stale()
+        if stale:
+            metrics.groups_evicted_stale.inc(len(stale))
+            self._on_change()
+        return len(stale)
+
+    # ---- the committer -----------------------------------------------------------------------
+
+    async def committer(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        """One stream, in generation's order: a sibling is staged before its group commits or is unstaged.
+
+        Siblings queued one after another are staged together (one TQ put: a put's round trip,
+        not its size, is what a sibling costs), so staging keeps up however fast siblings finish.
+        """
+        to_commit, items = anyio.create_memory_object_stream[CommitItem](math.inf)
+        self._to_commit = to_commit
+        held: CommitItem | None = None
+        try:
+            task_status.started()
+            while True:
+                item, held = (held, None) if held is not None else (await items.receive(), None)
+                if isinstance(item, SiblingFinished):
+                    batch = [item]
+                    while len(batch) < STAGE_BATCH_MAX:
+                        try:
+                            following = items.receive_nowait()
+                        except anyio.WouldBlock:
+                            break
+                        if not isinstance(following, SiblingFinished):
+                            held = following
+                            break
+                        batch.append(following)
+                    await self._stage(batch)
+                elif isinstance(item, SiblingsStale):
+                    await self._unstage(item)
+                else:
+                    try:
+                        await self.commit(item)
+                    finally:
+                        self._awaiting_commit -= 1
+        finally:
+            self._to_commit = None
+            self._take_back([held] if held is not None else [], items)
+            to_commit.close()
+            items.close()
+
+    def _take_back(self, held: list[CommitItem], items: MemoryObjectReceiveStream[CommitItem]) -> None:
+        """The committer stopped (the run ended): finished groups it had not committed go back to
+        memory, still in flight, so a later run of this controller commits them without generating
+        them again.  Queued siblings are in memory already; a lost unstage leaves a staged copy that
+        the group's commit clears."""
+        while True:
+            try:
+                held.append(items.receive_nowait())
+            except (anyio.WouldBlock, anyio.EndOfStream):
+                break
+        for item in held:
+            if isinstance(item, GroupResult):
+                self._finished[item.request.group_id] = dict(zip(item.request.siblings, item.completions,
+                                                                 strict=True))
+                self._awaiting_commit -= 1
+
+    async def _stage(self, items: list[SiblingFinished]) -> None:
+        """Stage finished siblings in one TQ put, except those whose group has since completed or
+        dropped them."""
+        current = [(i.request.group_id, i.index, i.completion) for i in items
+                   if self._finished.get(i.request.group_id, {}).get(i.index) is i.completion]
+        if current:
+            await self._state.stage_siblings(current)
+            metrics.siblings_staged.inc(len(current))
+
+    async def _unstage(self, item: SiblingsStale) -> None:
+        staged = set(self._state.ledger.entry(item.group_id).staged)
+        await self._state.unstage_siblings(item.group_id, tuple(s for s in item.siblings if s in staged))
+
+    def _scored(self, result: GroupResult) -> list[Rollout]:
+        """The task scores each sibling's decoded text: the one place a completion is judged."""
+        req = result.request
+        answer = self._prompts[req.prompt_id].answer
+        completions = result.completions
+        # One tensor per field for the whole group, split into per-sibling views (TQ copies each row).
+        ids = torch.tensor([t for c in completions for t in (*req.prompt_ids, *c.token_ids)], dtype=torch.int64)
+        logprobs = torch.tensor([lp for c in completions for lp in c.logprobs], dtype=torch.float32)
+        id_rows = ids.split([len(req.prompt_ids) + len(c.token_ids) for c in completions])
+        logprob_rows = logprobs.split([len(c.logprobs) for c in completions])
+        return [
+            Rollout(input_ids=row_ids, logprobs=row_logprobs, prompt_len=len(req.prompt_ids),
+                    reward=score(self._policy.decode(c.token_ids), answer), weight_version=c.weight_version)
+            for c, row_ids, row_logprobs in zip(completions, id_rows, logprob_rows, strict=True)
+        ]
+
+    async def commit(self, result: GroupResult) -> None:
+        """Score a finished group and commit it.  Only a complete group is committed (enforced here):
+        exactly ``group_size`` siblings, none truncated or aborted."""
+        req = result.request
+        incomplete = result.incomplete_reason()
+        if req.siblings != tuple(range(self._group_size)):
+            incomplete = f"siblings {list(req.siblings)} of {self._group_size}"
+        if incomplete:
+            raise InvariantViolation(f"commit of incomplete group {req.group_id}: {incomplete}")
+        rollouts = self._scored(result)
+        group = GroupMeta(
+            group_id=req.group_id, epoch=req.epoch, prompt_id=req.prompt_id,
+            sample_ids=sample_ids_for(req.group_id, len(rollouts)),
+            start_weight_version=min(c.weight_version for c in result.completions),
+            end_weight_version=result.end_weight_version,
+            prompt_len=len(req.prompt_ids), seq_lens=tuple(r.input_ids.shape[0] for r in rollouts),
+            rewards=tuple(r.reward for r in rollouts), weight_versions=tuple(r.weight_version for r in rollouts),
+            target_step=req.target_step, admitted_at=req.admitted_at, committed_at=time.time(),
+        )
+        await self._state.commit(group, rollouts)
+        completion_tokens = group.tokens - group.prompt_len * len(rollouts)
+        self._committed_tokens += completion_tokens
+        metrics.committed_groups.inc()
+        metrics.committed_tokens.inc(completion_tokens)
+        metrics.group_completion_latency.observe(group.committed_at - req.admitted_at)
+        self._on_change()
