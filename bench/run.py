@@ -23,6 +23,7 @@ import anyio
 import orjson
 import torch
 
+from bench import engines, goodput
 from bench.gpu_check import summarize_steps
 from bench.recovery import crash_recovery, staging_cost
 from scd.checkpoint import layout
@@ -48,6 +49,8 @@ GOALS = {
     "commit_path_groups_per_s": (">=", 20000.0), "loop_stall_p99_ms": ("<=", 50.0),
     **{f"crash_{s}_{k}": (">=", 1.0) for s in ("windowed", "weight_fifo", "in_order")
        for k in ("ready_groups_kept_ratio", "siblings_reused_ratio", "siblings_reused_vs_finished_at_cut")},
+    **goodput.GOALS, **engines.GOALS,
+    "trackers_overhead_ratio": (">=", 0.98), "trackers_loop_stall_p99_ms": ("<=", 50.0),
 }
 
 
@@ -130,6 +133,52 @@ async def overhead(tmp: Path, steps: int = 150, pairs: int = 4) -> dict[str, flo
         "steps_per_s": first_off["steps_per_s"], "generated_tokens_per_s": first_off["generated_tokens_per_s"],
         "loop_stall_p50_ms": first_off["loop_stall_p50_ms"], "loop_stall_p99_ms": first_off["loop_stall_p99_ms"],
         "loop_stall_max_ms": first_off["loop_stall_max_ms"],
+    }
+
+
+async def one_run_steps_per_s(config: Config, steps: int, warmup: int) -> tuple[float, float]:
+    """(trainer steps/s over ``steps`` steps after ``warmup``, from the event log's step times; loop stall
+    p99 in ms), from one uninterrupted run."""
+    await clear(config.data_plane.partition)
+    stalls: list[float] = []
+
+    async def loop_probe() -> None:
+        while True:
+            before = time.monotonic()
+            await anyio.sleep(0.01)
+            stalls.append(time.monotonic() - before - 0.01)
+
+    async with Controller.open(config) as controller, anyio.create_task_group() as tg:
+        tg.start_soon(loop_probe)
+        await controller.run(max_steps=warmup + steps)
+        tg.cancel_scope.cancel()
+    at = {e["step"]: e["time"] for e in map(orjson.loads, Path(config.telemetry.events_path).read_bytes().splitlines())
+          if e["event"] == "train_step"}
+    return steps / (at[warmup + steps] - at[warmup]), 1000 * percentile(stalls, 0.99)
+
+
+async def trackers_overhead(tmp: Path, steps: int = 150, pairs: int = 4) -> dict[str, float]:
+    """Trainer steps/s with TensorBoard, W&B (offline) and MLflow (a file store) all on, over all off.
+
+    Off and on alternate (off, on, off, on, ...), the same seeded run each; the ratio is the median of the
+    pairs' ratios, the spread max - min.  Both probe the loop, so the probe costs each side alike; the
+    stall p99 is the trackers-on runs' median.  The trackers open at the first train step (W&B starts its
+    service then): the warm-up's 30 steps cover that, so the figure is the steady state.
+    """
+    on = {"telemetry": {"trackers": ["tensorboard", "wandb", "mlflow"], "wandb": {"mode": "offline"}}}
+    ratios, stalls_on, stalls_off = [], [], []
+    for pair in range(pairs):
+        off_rate, off_stall = await one_run_steps_per_s(tiny(tmp / f"trackers-off{pair}"), steps, warmup=30)
+        on_rate, on_stall = await one_run_steps_per_s(tiny(tmp / f"trackers-on{pair}", **on), steps, warmup=30)
+        ratios.append(on_rate / off_rate)
+        stalls_on.append(on_stall)
+        stalls_off.append(off_stall)
+    return {
+        "trackers_overhead_ratio": statistics.median(ratios),
+        "trackers_overhead_ratio_spread": max(ratios) - min(ratios),
+        "trackers_overhead_pairs": pairs,
+        "trackers_loop_stall_p99_ms": statistics.median(stalls_on),
+        "trackers_off_loop_stall_p99_ms": statistics.median(stalls_off),
     }
 
 
@@ -410,17 +459,31 @@ async def commit_path(tmp: Path, groups: int = 20_000) -> dict[str, float]:
 
 
 async def vllm_cpu(tmp: Path, steps: int = 60) -> dict[str, float]:
-    """configs/vllm-cpu.toml in this process (vLLM's engine core is its own process): per-step medians."""
+    """configs/vllm-cpu.toml in this process (vLLM's engine cores are processes of their own): per-step
+    medians with its one engine, then with two (``generation.vllm.engines = 2``, a core each).
+
+    On 2 cores the second engine competes with the trainer and scd for the same cores, so the ratio
+    measures what a second engine costs more than what it could add.
+    """
     from scd.training.init_tiny import init_tiny
 
-    config = derive_config(REPO / "configs" / "vllm-cpu.toml", {
-        "run": {"output_dir": str(tmp / "vllm")}, "model": {"name": str(init_tiny(tmp / "tiny-llama"))},
-        "telemetry": {"metrics_port": 0}, "data_plane": {"partition": "bench-vllm"}})
-    async with Controller.open(config) as controller:
-        await controller.run(max_steps=steps)
-    # The first steps include the engine's warm-up.
-    measured = summarize_steps(tmp / "vllm" / "events.jsonl", after_step=5)
-    return {f"vllm_cpu_{key}": value for key, value in measured.items() if value is not None}
+    model = init_tiny(tmp / "tiny-llama")
+    results: dict[str, float] = {}
+    for count, prefix in ((1, "vllm_cpu_"), (2, "vllm_cpu_engines2_")):
+        out, partition = tmp / f"vllm-{count}", f"bench-vllm-{count}"
+        config = derive_config(REPO / "configs" / "vllm-cpu.toml", {
+            "run": {"output_dir": str(out)}, "model": {"name": str(model)},
+            "telemetry": {"metrics_port": 0}, "data_plane": {"partition": partition}})
+        config.generation.vllm.engines = count
+        async with Controller.open(config) as controller:
+            await controller.run(max_steps=steps)
+        await clear(partition)
+        # The first steps include the engines' warm-up.
+        measured = summarize_steps(out / "events.jsonl", after_step=5)
+        results |= {f"{prefix}{key}": value for key, value in measured.items() if value is not None}
+    results["vllm_cpu_engines2_vs_1_generated_tokens_ratio"] = (
+        results["vllm_cpu_engines2_generated_tokens_per_s"] / results["vllm_cpu_generated_tokens_per_s"])
+    return results
 
 
 def cluster_figures() -> dict[str, float]:
@@ -431,7 +494,9 @@ def cluster_figures() -> dict[str, float]:
         return orjson.loads(out.read_bytes())
 
 
-async def main() -> None:
+async def main(only: frozenset[str] = frozenset()) -> None:
+    """Every benchmark, written to bench/results/summary.json; with ``only`` (names on the command line,
+    ``python -m bench.run trackers_overhead``), just those, their keys merged into the summary there."""
     import ray
     import transfer_queue as tq
 
@@ -440,6 +505,7 @@ async def main() -> None:
              logging_level=logging.WARNING)
     tq.init({"backend": {"SimpleStorage": {"num_data_storage_units": 1}}})
     summary: dict[str, float] = {}
+    known = {"cluster"}
     try:
         with TemporaryDirectory(dir=REPO / "bench") as tmp_name:
             tmp = Path(tmp_name)
@@ -448,19 +514,32 @@ async def main() -> None:
                                 ("snapshot", snapshot_and_restore),
                                 ("crash_recovery", functools.partial(crash_recovery, tiny=tiny)),
                                 ("staging_cost", functools.partial(staging_cost, tiny=tiny, fake_group=fake_group)),
-                                ("vllm_cpu", vllm_cpu)):
+                                ("goodput_regimes", functools.partial(goodput.regimes, tiny=tiny)),
+                                ("goodput_crash_loop", goodput.crash_loops),
+                                ("vllm_cpu", vllm_cpu), ("weight_sync", engines.weight_sync),
+                                ("trackers_overhead", trackers_overhead)):
+                known.add(name)
+                if only and name not in only:
+                    continue
                 started = time.monotonic()
                 summary |= await bench(tmp)
                 print(f"[{name}: {time.monotonic() - started:.0f}s]", flush=True)
     finally:
         tq.close()
         ray.shutdown()
-    started = time.monotonic()
-    summary |= cluster_figures()
-    print(f"[cluster: {time.monotonic() - started:.0f}s]", flush=True)
+    if only - known:
+        raise SystemExit(f"bench.run: no benchmark named {sorted(only - known)}; known: {sorted(known)}")
+    if not only or "cluster" in only:
+        started = time.monotonic()
+        summary |= cluster_figures()
+        print(f"[cluster: {time.monotonic() - started:.0f}s]", flush=True)
     meta = {"time": time.time(), "python": platform.python_version(), "machine": platform.machine(),
             "cpus": os.cpu_count(), "torch": torch.__version__}
-    (RESULTS / "summary.json").write_bytes(orjson.dumps({**summary, "meta": meta}, option=orjson.OPT_INDENT_2))
+    path = RESULTS / "summary.json"
+    # A partial run adds its keys to the last full run's; the meta stays that run's.
+    kept = orjson.loads(path.read_bytes()) if only and path.exists() else {}
+    meta = kept.pop("meta", meta)
+    path.write_bytes(orjson.dumps({**kept, **summary, "meta": meta}, option=orjson.OPT_INDENT_2))
     print(f"{'metric':36s} {'value':>14s}  goal")
     for key, value in summary.items():
         goal = GOALS.get(key)
@@ -477,4 +556,4 @@ async def main() -> None:
 
 if __name__ == "__main__":
     logging.basicConfig(level=logging.WARNING)
-    anyio.run(main, backend="asyncio", backend_options={"use_uvloop": True})
+    anyio.run(main, frozenset(sys.argv[1:]), backend="asyncio", backend_options={"use_uvloop": True})

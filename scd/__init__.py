@@ -9,17 +9,21 @@ Layering, bottom to top (a module imports only from layers below it):
    (metadata index of ready groups), ``samplers`` (which groups a train step
    may take), ``dataloader`` (seeded prompt order with a cursor), ``barrier``
    (the shared/exclusive checkpoint lock), ``schema`` (the bundle format and
-   the checkpoint vocabulary as typed structs).  Then ``state``: those parts
+   the checkpoint vocabulary as typed structs), ``skew`` (prompt buckets, each
+   prompt's fate counted per bucket).  Then ``state``: those parts
    together and the only code that mutates them, each mutation under the
    barrier; TQ rows are written through a protocol handed in.
 3. Adapters to the outside world: ``dataplane`` (TransferQueue on Ray, every
    call bounded), ``training`` (the policy seam and GRPO), ``generation``
-   (torch, vLLM or the synthetic load-testing engine), ``telemetry`` (Prometheus, events),
+   (torch, vLLM or the synthetic load-testing engine), ``telemetry`` (Prometheus, events,
+   experiment trackers),
    ``systemd`` (sd_notify), ``reaper`` (a process of its own, standard library only, that
    kills the embedded Ray's processes when scd dies).
 4. ``rollouts``: a group's life from admission to commit (requests, finished
-   siblings and their staging, scoring, the committer); it wakes the pumps
-   through a callback and never sees the controller.
+   siblings and their staging, scoring, the committer, paced admission); it
+   wakes the pumps through a callback and never sees the controller.
+   ``goodput``: how busy generation is, its bound, what it wastes; it reads the
+   rollouts, the backend and each train step, never the controller.
 5. ``checkpoint``: the bundle layout, save, restore and offline verify.  It
    works on the state, the data plane, the trainer and the rollouts, never the
    controller; restore is one path from bundle to the first admission.

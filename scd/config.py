@@ -9,6 +9,7 @@ against the directory of the config file.
 from __future__ import annotations
 
 import hashlib
+import logging
 import re
 import tomllib
 from pathlib import Path
@@ -18,6 +19,8 @@ import msgspec
 import orjson
 
 from scd.errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 
 class _Section(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -72,8 +75,25 @@ class VLLMGenerationConfig(_Section):
     dtype: str = ""
     enforce_eager: bool = True
     max_num_seqs: int = 256
+    # Engines serving the run, each on devices of its own (generation.devices): a group goes whole to
+    # the engine with the fewest outstanding tokens.
+    engines: int = 1
+    tensor_parallel_size: int = 1
+    # How trained weights reach the engines: "transfer" broadcasts them from the trainer's memory through
+    # vLLM's weight-transfer API (gloo on CPU, NCCL between GPUs); "reload" writes safetensors that every
+    # engine reloads.  A failed transfer is retried once, then reloaded; the engines stay paused meanwhile.
+    weight_sync: Literal["transfer", "reload"] = "transfer"
+    # One attempt to move the weights (rendezvous, broadcast, load) fails after this long.
+    weight_sync_timeout_s: float = 120.0
+    # An engine starts in 13-17 s on a quiet 2-core box but took 206 s on a busy one: generous on purpose.
+    start_timeout_s: float = 600.0
     # Passed to vllm.AsyncEngineArgs as they are, for settings scd does not name.
     extra_engine_args: dict[str, object] = msgspec.field(default_factory=dict)
+
+
+# vllm.AsyncEngineArgs that scd derives from its own keys: extra_engine_args may not set them.
+VLLM_ARGS_SCD_SETS = frozenset({"tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size",
+                                "worker_extension_cls", "weight_transfer_config"})
 
 
 class SyntheticGenerationConfig(_Section):
@@ -82,6 +102,14 @@ class SyntheticGenerationConfig(_Section):
     tokens_per_s: float = 20_000.0
     min_completion_tokens: int = 16
     max_completion_tokens: int = 16
+    # "range": lengths uniform in [min, max]_completion_tokens.  "answer": each completion as long as its
+    # prompt's completion budget (its answer's tokens, at most generation.max_new_tokens), so lengths
+    # follow the task's prompts (a long-answer bucket generates slowly, as it would on a real engine).
+    length_from: Literal["range", "answer"] = "range"
+    # "queue": one call decodes at a time, at tokens_per_s, the others wait their turn.  "slots": up to
+    # max_concurrent_batches calls decode at once, each at tokens_per_s / max_concurrent_batches, as in a
+    # continuous-batching engine: a short request started beside a long one finishes first.
+    scheduling: Literal["queue", "slots"] = "queue"
     batch_groups: int = 4
     max_concurrent_batches: int = 4
 
@@ -121,6 +149,9 @@ class TaskConfig(_Section):
     min_digits: int = 4
     max_digits: int = 4
     path: str = ""
+    # A JSONL task's column that buckets prompts for skew telemetry (a difficulty, say); "" buckets them by
+    # prompt length in tokens, or by completion length where every prompt is as long.
+    bucket_field: str = ""
 
 
 class SamplerConfig(_Section):
@@ -130,8 +161,13 @@ class SamplerConfig(_Section):
 
 
 class AsyncRLConfig(_Section):
-    # Ready groups plus prompts in flight may not exceed this.
-    buffer_capacity_groups: int = 64
+    # An upper limit on ready groups plus prompts in flight.  "auto": what the staleness window can
+    # use (Config.window_capacity_groups); paced admission never goes past that either way.
+    buffer_capacity_groups: int | Literal["auto"] = "auto"
+    # Admission keeps ready plus in-flight groups within what the sampler can still train inside the
+    # staleness window.  Off, buffer_capacity_groups alone limits it (for a custom sampler that needs
+    # more candidates than a window's worth): groups beyond the window are generated to go stale.
+    pace_admission: bool = True
     sampler: SamplerConfig = msgspec.field(default_factory=SamplerConfig)
 
 
@@ -143,6 +179,24 @@ class CheckpointingConfig(_Section):
     max_consecutive_failures: int = 3
 
 
+class TensorBoardConfig(_Section):
+    # Each logical run writes to <dir>/<run id>; relative to run.output_dir.
+    dir: str = "tensorboard"
+
+
+class WandbConfig(_Section):
+    project: str = "scd"
+    mode: Literal["online", "offline", "disabled"] = "online"
+    # W&B writes its files under <dir>/wandb; relative to run.output_dir.
+    dir: str = "."
+
+
+class MlflowConfig(_Section):
+    # "" = a local file store under run.output_dir (file://<output_dir>/mlruns).
+    tracking_uri: str = ""
+    experiment: str = "scd"
+
+
 class TelemetryConfig(_Section):
     metrics_host: str = "127.0.0.1"
     metrics_port: int = 9464
@@ -152,6 +206,14 @@ class TelemetryConfig(_Section):
     # max(stall_after_s, stall_after_steps x the median of the recent step times) while the run serves.
     stall_after_s: float = 300.0
     stall_after_steps: float = 20.0
+    # Experiment trackers fed from the event log, each in its own thread (scd.telemetry.trackers); the
+    # packages come with the extra: pip install 'scd[trackers]'.
+    trackers: list[Literal["tensorboard", "wandb", "mlflow"]] = msgspec.field(default_factory=list)
+    tensorboard: TensorBoardConfig = msgspec.field(default_factory=TensorBoardConfig)
+    wandb: WandbConfig = msgspec.field(default_factory=WandbConfig)
+    mlflow: MlflowConfig = msgspec.field(default_factory=MlflowConfig)
+    # The sliding window scd_engine_busy_ratio and the rates behind scd_engine_busy_bound are measured over.
+    goodput_window_s: float = 30.0
 
 
 class Config(_Section):
@@ -164,6 +226,19 @@ class Config(_Section):
     async_rl: AsyncRLConfig = msgspec.field(default_factory=AsyncRLConfig)
     checkpointing: CheckpointingConfig = msgspec.field(default_factory=CheckpointingConfig)
     telemetry: TelemetryConfig = msgspec.field(default_factory=TelemetryConfig)
+
+    def window_capacity_groups(self) -> int:
+        """Groups a train step can still take from those admitted now before they leave the staleness
+        window: one step's worth for each weight version in it."""
+        return self.trainer.groups_per_step * (self.async_rl.sampler.max_staleness_versions + 1)
+
+    def admission_capacity_groups(self) -> int:
+        """The most ready plus in-flight groups admission allows: the window's capacity, capped by
+        ``async_rl.buffer_capacity_groups`` (without pacing, that limit alone)."""
+        limit = self.async_rl.buffer_capacity_groups
+        if limit == "auto":
+            return self.window_capacity_groups()
+        return min(limit, self.window_capacity_groups()) if self.async_rl.pace_admission else limit
 
     def fingerprint_fields(self) -> dict[str, object]:
         """The settings that change what a stored rollout, or the sampler state beside it, means.
@@ -180,7 +255,8 @@ class Config(_Section):
         return {
             **gated,
             "model": msgspec.to_builtins(self.model),
-            "task": msgspec.to_builtins(self.task),
+            # Which column buckets prompts changes what telemetry counts, not what a rollout means.
+            "task": {k: v for k, v in msgspec.to_builtins(self.task).items() if k != "bucket_field"},
             "task.content_sha256": task_content,
             "generation.backend": self.generation.backend,
             "generation.group_size": self.generation.group_size,
@@ -281,6 +357,10 @@ def _resolve_paths(config: Config, base_dir: Path) -> None:
     out = Path(config.run.output_dir)
     config.checkpointing.dir = _resolve(out, config.checkpointing.dir)
     config.telemetry.events_path = _resolve(out, config.telemetry.events_path)
+    tel = config.telemetry
+    tel.tensorboard.dir = _resolve(out, tel.tensorboard.dir)
+    tel.wandb.dir = _resolve(out, tel.wandb.dir)
+    tel.mlflow.tracking_uri = tel.mlflow.tracking_uri or (out / "mlruns").resolve().as_uri()
 
 
 def _require(ok: bool, key: str, message: str) -> None:
@@ -312,6 +392,14 @@ def validate(config: Config) -> None:
     _require(gen.torch.batch_groups >= 1, "generation.torch.batch_groups", "must be >= 1")
     _require(0 < gen.vllm.gpu_memory_utilization <= 1, "generation.vllm.gpu_memory_utilization",
              f"must be in (0, 1], got {gen.vllm.gpu_memory_utilization}")
+    _require(gen.vllm.engines >= 1, "generation.vllm.engines", f"must be >= 1, got {gen.vllm.engines}")
+    _require(gen.vllm.tensor_parallel_size >= 1, "generation.vllm.tensor_parallel_size",
+             f"must be >= 1, got {gen.vllm.tensor_parallel_size}")
+    _require(gen.vllm.weight_sync_timeout_s > 0, "generation.vllm.weight_sync_timeout_s", "must be > 0")
+    _require(gen.vllm.start_timeout_s > 0, "generation.vllm.start_timeout_s", "must be > 0")
+    scd_owned = sorted(set(gen.vllm.extra_engine_args) & VLLM_ARGS_SCD_SETS)
+    _require(not scd_owned, "generation.vllm.extra_engine_args",
+             f"sets {scd_owned}, which scd sets itself (generation.vllm.engines, tensor_parallel_size, weight_sync)")
     syn = gen.synthetic
     _require(syn.tokens_per_s > 0, "generation.synthetic.tokens_per_s", f"must be > 0, got {syn.tokens_per_s}")
     _require(1 <= syn.min_completion_tokens <= syn.max_completion_tokens, "generation.synthetic.min_completion_tokens",
@@ -338,10 +426,9 @@ def validate(config: Config) -> None:
              f"must be windowed, weight_fifo, in_order or module:Class, got {sampler.name!r}")
     _require(sampler.max_staleness_versions >= 0, "async_rl.sampler.max_staleness_versions",
              f"must be >= 0, got {sampler.max_staleness_versions}")
-    _require(config.async_rl.buffer_capacity_groups >= tr.groups_per_step,
-             "async_rl.buffer_capacity_groups",
-             f"must hold at least one train step ({tr.groups_per_step} groups), "
-             f"got {config.async_rl.buffer_capacity_groups}")
+    capacity = config.async_rl.buffer_capacity_groups
+    _require(capacity == "auto" or capacity >= tr.groups_per_step, "async_rl.buffer_capacity_groups",
+             f"must hold at least one train step ({tr.groups_per_step} groups) or be \"auto\", got {capacity}")
     _require(task.size >= 1, "task.size", "must be >= 1")
     _require(1 <= task.min_digits <= task.max_digits, "task.min_digits",
              f"need 1 <= min_digits <= max_digits, got {task.min_digits}..{task.max_digits}")
@@ -359,3 +446,24 @@ def validate(config: Config) -> None:
     _require(tel.telemetry_interval_s >= 0, "telemetry.telemetry_interval_s", "must be >= 0 (0 = off)")
     _require(tel.stall_after_s > 0, "telemetry.stall_after_s", f"must be > 0, got {tel.stall_after_s}")
     _require(tel.stall_after_steps > 0, "telemetry.stall_after_steps", f"must be > 0, got {tel.stall_after_steps}")
+    _require(len(set(tel.trackers)) == len(tel.trackers), "telemetry.trackers",
+             f"lists a tracker twice: {tel.trackers}")
+    _require(bool(tel.wandb.project), "telemetry.wandb.project", "must be a W&B project name")
+    _require(bool(tel.mlflow.experiment), "telemetry.mlflow.experiment", "must be an MLflow experiment name")
+    _require(not task.bucket_field or task.name == "jsonl", "task.bucket_field",
+             f"names a column of a JSONL task; task.name = {task.name!r} has none (leave it empty to bucket by "
+             "prompt length)")
+    _require(tel.goodput_window_s > 0, "telemetry.goodput_window_s", f"must be > 0, got {tel.goodput_window_s}")
+    _warn_if_beyond_the_window(config)
+
+
+def _warn_if_beyond_the_window(config: Config) -> None:
+    """A buffer larger than the staleness window can use is capped when admission is paced: said once, at load."""
+    limit, usable = config.async_rl.buffer_capacity_groups, config.window_capacity_groups()
+    if limit == "auto" or limit <= usable or not config.async_rl.pace_admission:
+        return
+    log.warning("config key 'async_rl.buffer_capacity_groups' = %d is more than the staleness window can use: "
+                "trainer.groups_per_step (%d) x (async_rl.sampler.max_staleness_versions (%d) + 1) = %d groups; "
+                "admission is capped at %d (more would be generated only to go stale). Set it to %d or \"auto\"",
+                limit, config.trainer.groups_per_step, config.async_rl.sampler.max_staleness_versions, usable,
+                usable, usable)

@@ -11,7 +11,7 @@ Tasks (each named for what it does):
 * ``checkpoint_scheduler`` turns the interval and SIGUSR1 into a checkpoint due at the next step
   boundary; ``checkpoint_writer`` writes bundles, one at a time
 * ``drain``           on shutdown, puts the drain deadline on the train pump's cancel scope
-* ``http``, ``watchdog``, ``loop_probe``, ``telemetry``: observation
+* ``http``, ``watchdog``, ``loop_probe``, ``telemetry``, ``goodput`` (``scd.goodput``): observation
 
 The controller wires parts together: the state a checkpoint captures and every
 mutation of it live in ``scd.state``, a group's life from admission to commit in
@@ -44,6 +44,7 @@ from scd.config import Config
 from scd.dataplane import DataPlane
 from scd.generation import open_backend
 from scd.generation.base import GenerationBackend, GroupRequest
+from scd.goodput import GoodputMeter
 from scd.records import Rollout
 from scd.replay import GroupMeta, rollouts_of
 from scd.rollouts import Rollouts
@@ -94,7 +95,8 @@ class Controller:
         self.state = ControllerState(len(prompts), config.task.seed, build_sampler(config), dataplane,
                                      CheckpointBarrier(on_blocked=_observe_blocked_mutation))
         self.rollouts = Rollouts(config, self.state, policy, prompts, self._notify)
-        self.events = EventLog(Path(config.telemetry.events_path))
+        self.goodput = GoodputMeter(config, self.rollouts, backend)
+        self.events = EventLog.with_trackers(config.telemetry, Path(config.run.output_dir), lambda: self.state.run)
         self.checkpointer = (Checkpointer(config, self.events, self.state, dataplane, self.trainer)
                              if config.checkpointing.enabled else None)
         self.metrics_port: int | None = None
@@ -133,8 +135,9 @@ class Controller:
             serving = await open_backend(config, policy) if backend is None else backend
             try:
                 controller = cls(config, dataplane, serving, policy, prompts)
-                await serving.update_weights(controller.trainer.weights(), controller.state.weight_version)
-                yield controller
+                async with controller.events:  # closing it waits (bounded, off the loop) for the trackers
+                    await serving.update_weights(controller.trainer.live_weights(), controller.state.weight_version)
+                    yield controller
             finally:
                 if owned:
                     with anyio.CancelScope(shield=True):
@@ -185,6 +188,7 @@ class Controller:
         metrics.replay_groups.set(len(state.replay))
         metrics.replay_rows.set(state.replay.rows)
         metrics.staged_siblings.set(state.ledger.staged_count())
+        metrics.prompt_fates.follow(state.fates)
         for ledger_state, n in state.ledger.counts().items():
             metrics.ledger_prompts.labels(ledger_state).set(n)
 
@@ -244,7 +248,8 @@ class Controller:
             batch = await self.select_batch()
             if batch:
                 return batch
-            await self._changed.wait()
+            with self.goodput.trainer_starved():
+                await self._changed.wait()
         return []
 
     async def read_batch(self, batch: list[GroupMeta]) -> list[list[Rollout]]:
@@ -266,9 +271,8 @@ class Controller:
         staleness = state.weight_version - min(g.start_weight_version for g in batch)
         await state.finish_step(batch)
         sync_started = time.monotonic()
-        await self.backend.update_weights(self.trainer.weights(), state.weight_version)
-        weight_sync_s = time.monotonic() - sync_started
-        metrics.weight_sync.observe(weight_sync_s)
+        await self.backend.update_weights(self.trainer.live_weights(), state.weight_version)
+        weight_sync_s = time.monotonic() - sync_started  # the backend observes it, labelled by its path
         await self.backend.abort_older_than(state.window_start())
         self._notify()
         metrics.train_reward_mean.set(result.reward_mean)
@@ -295,10 +299,11 @@ class Controller:
             prompt_ids=[[g.epoch, g.prompt_id] for g in batch],
             logprob_mismatch_mean=result.logprob_mismatch_mean, logprob_mismatch_max=result.logprob_mismatch_max,
             logprob_mismatch_tokens=result.logprob_mismatch_tokens, weight_sync_ms=weight_sync_s * 1e3,
-            tq_read_ms=self._last_read_s * 1e3,
+            tq_read_ms=self._last_read_s * 1e3, **state.fates.step_fields(),
             committed_groups_per_s=(groups_done - last_groups) / elapsed,
             generated_tokens_per_s=(tokens - last_tokens) / elapsed,
             committed_tokens_per_s=(committed - last_committed) / elapsed,
+            **self.goodput.on_train_step(batch).event_fields(),
         )
 
     async def train_pump(self, max_steps: int) -> None:
@@ -356,6 +361,7 @@ class Controller:
             self.config.generation.max_inflight_prompts)
         async with anyio.create_task_group() as tg:
             await tg.start(self.rollouts.committer, name="committer")
+            await tg.start(self.goodput.run, name="goodput")
             tg.start_soon(self.rollout_pump, to_generation, name="rollout_pump")
             tg.start_soon(self.generation_pump, generation_in, name="generation_pump")
             tg.start_soon(systemd.feed_watchdog, name="watchdog")

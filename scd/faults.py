@@ -2,11 +2,13 @@
 
 At the n-th passage (default 1) of a named point the process dies with
 ``os._exit(137)`` (action ``exit``, like a SIGKILL: no cleanup, no flush), the
-point raises ``OSError(ENOSPC)`` (action ``enospc``, a full disk), or, at a
+point raises ``OSError(ENOSPC)`` (action ``enospc``, a full disk) or
+``FaultInjected`` (action ``fail``, an error in the code there), or, at a
 point passed on the event loop (``wait_at``), the task passing it waits forever
-(action ``block``, a hung dependency).  Unset in production; passing a point
-is then one dict lookup.  In-process tests arm points
-for a block with ``armed``.
+(action ``block``, a hung dependency).  A point named more than once acts at
+each passage named (``mid_weight_broadcast:1=fail,mid_weight_broadcast:2=fail``).
+Unset in production; passing a point is then one dict lookup.  In-process tests
+arm points for a block with ``armed``.
 """
 
 from __future__ import annotations
@@ -23,14 +25,19 @@ POINTS = (
     "before_barrier", "in_exclusive_hold", "post_cut_commit", "after_tq_save", "during_deferred_clear",
     "mid_sidecar_write", "before_finalize_rename",
     "after_finalize_before_latest", "during_retention", "during_restore_tq_load", "during_restore_index",
-    "before_dispatch",
+    "before_dispatch", "mid_weight_broadcast", "during_weight_reload",
 )
-ACTIONS = ("exit", "enospc", "block")
+ACTIONS = ("exit", "enospc", "block", "fail")
 EVENT_LOOP_POINTS = ("before_dispatch",)  # passed with ``wait_at``: the only ones that can block
 
 
-def _parse(spec: str) -> dict[str, list[int | str]]:
-    faults: dict[str, list[int | str]] = {}
+class FaultInjected(RuntimeError):
+    """Raised at a fault point armed with the ``fail`` action."""
+
+
+def _parse(spec: str) -> dict[str, tuple[list[int], dict[int, str]]]:
+    """Per point: [passages so far], and the action due at each passage named."""
+    faults: dict[str, tuple[list[int], dict[int, str]]] = {}
     for item in filter(None, (part.strip() for part in spec.split(","))):
         target, _, action = item.partition("=")
         point, _, count = target.partition(":")
@@ -40,7 +47,7 @@ def _parse(spec: str) -> dict[str, list[int | str]]:
             raise SystemExit(f"scd: error: SCD_FAULT={spec!r}: unknown point or action in {item!r}; "
                              f"points: {', '.join(POINTS)}; actions: {', '.join(ACTIONS)} "
                              f"(block only at {', '.join(EVENT_LOOP_POINTS)})")
-        faults[point] = [int(count or 1), action]
+        faults.setdefault(point, ([0], {}))[1][int(count or 1)] = action
     return faults
 
 
@@ -66,8 +73,9 @@ def _fires(point: str) -> str | None:
     fault = _FAULTS.get(point)
     if fault is None:
         return None
-    fault[0] = int(fault[0]) - 1
-    return str(fault[1]) if fault[0] == 0 else None
+    passages, actions = fault
+    passages[0] += 1
+    return actions.get(passages[0])
 
 
 async def wait_at(point: str) -> None:
@@ -90,6 +98,8 @@ def hit(point: str) -> None:
 def _act(point: str, action: str) -> None:
     if action == "enospc":
         raise OSError(errno.ENOSPC, f"No space left on device (SCD_FAULT at {point})")
+    if action == "fail":
+        raise FaultInjected(f"SCD_FAULT at {point}")
     sys.stderr.write(f"scd: SCD_FAULT: exiting at {point}\n")
     sys.stderr.flush()
     os._exit(137)

@@ -35,6 +35,11 @@ class GroupMeta(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     def tokens(self) -> int:
         return sum(self.seq_lens)
 
+    @property
+    def completion_tokens(self) -> int:
+        """The tokens generation made (each row less its prompt): what goodput and waste count."""
+        return self.tokens - self.prompt_len * len(self.seq_lens)
+
 
 def rollouts_of(group: GroupMeta, input_ids: list[torch.Tensor], logprobs: list[torch.Tensor]) -> list[Rollout]:
     """Rebuild a group's rollouts from its TQ tensors and its metadata, checking the row lengths."""

@@ -18,6 +18,10 @@ holds its bytes.  The rules:
   and the unstage of the same key never race;
 * a group is committed whole: exactly ``group_size`` complete siblings.
 
+Admission is paced here too (``has_capacity``), and what generation made and
+threw away (a group dropped stale, a finished sibling dropped out of the window,
+an aborted sibling's partial output) is counted here, where it is dropped.
+
 Like vLLM's ``ParentRequest``, which keeps a request's children together, this
 module never reaches up: the pumps that wait on it are woken through the
 ``on_change`` callback the daemon hands in.
@@ -25,6 +29,7 @@ module never reaches up: the pumps that wait on it are woken through the
 
 from __future__ import annotations
 
+import enum
 import logging
 import math
 import time
@@ -34,14 +39,16 @@ from dataclasses import dataclass, replace
 import anyio
 import torch
 from anyio.abc import TaskStatus
-from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+from anyio.streams.memory import MemoryObjectSendStream
 
 from scd.config import Config
 from scd.errors import InvariantViolation
 from scd.generation.base import GroupRequest, GroupResult
-from scd.ledger import StagedSiblings
+from scd.ledger import PromptState, StagedSiblings
 from scd.records import COMPLETE, Completion, Rollout
 from scd.replay import GroupMeta, sample_ids_for
+from scd.samplers import Sampler, gates_dispatch
+from scd.skew import bucket_prompts
 from scd.state import ControllerState
 from scd.tasks import Prompt, score
 from scd.telemetry import metrics
@@ -74,12 +81,35 @@ class SiblingsStale:
 CommitItem = SiblingFinished | SiblingsStale | GroupResult
 
 
+class WasteReason(enum.StrEnum):
+    """Why generated tokens were thrown away (``scd_generation_wasted_tokens_total{reason}``)."""
+
+    STALE_GROUP = "stale_group"  # a ready group evicted outside the staleness window
+    STALE_SIBLING = "stale_sibling"  # a finished sibling of an unfinished group, out of the window
+    ABORTED = "aborted"  # the partial output of a sibling generation aborted
+
+
 @dataclass(frozen=True, slots=True)
 class RolloutsStatistics:
     awaiting_commit: int  # complete groups queued for the committer (still in flight in the ledger)
     committed_tokens: int  # completion tokens of committed groups
+    wasted_tokens: int  # generated tokens thrown away, for any WasteReason
     groups_with_finished_siblings: int
     finished_siblings: int  # held in memory for groups still in flight, staged or not
+
+
+def _held_groups_limit(config: Config, sampler: Sampler) -> float:
+    """The most groups in flight plus ready that admission allows with ``sampler``.
+
+    A sampler that gates dispatch keeps its own rule: its quota already holds no more than the window
+    can use, and after a restore under another groups_per_step it re-derives a state sure to make
+    progress, which the window's cap on top could block (a refill owed to the next step would wait
+    behind restored groups held for later ones).  Only a configured limit applies to it.
+    """
+    if not gates_dispatch(type(sampler)):
+        return config.admission_capacity_groups()
+    limit = config.async_rl.buffer_capacity_groups
+    return math.inf if limit == "auto" else limit
 
 
 class Rollouts:
@@ -97,10 +127,16 @@ class Rollouts:
              min(len(policy.encode_answer(p.answer)), config.generation.max_new_tokens))
             for p in prompts
         ]
+        state.use_buckets(bucket_prompts(config.task.bucket_field, [p.bucket for p in prompts],
+                                         [len(ids) for ids, _ in self._encoded], [n for _, n in self._encoded]))
         # Finished siblings of in-flight groups, by group id and sibling index.
         self._finished: dict[str, dict[int, Completion]] = {}
-        self._awaiting_commit = 0
+        # Complete groups handed to the committer and not committed yet, by group id: still in flight
+        # in the ledger.  A committer that stops (the run ends) leaves them here for the next one.
+        self._awaiting: dict[str, GroupResult] = {}
         self._committed_tokens = 0
+        self._wasted_tokens = 0
+        self._capacity = _held_groups_limit(config, state.sampler)
         # In-flight groups to generate before any new admission; None until a restore (or a run) lists them.
         self._requeued: list[GroupRequest] | None = None
         # The committer's stream, open while the committer runs.
@@ -108,7 +144,8 @@ class Rollouts:
 
     def statistics(self) -> RolloutsStatistics:
         return RolloutsStatistics(
-            awaiting_commit=self._awaiting_commit, committed_tokens=self._committed_tokens,
+            awaiting_commit=len(self._awaiting), committed_tokens=self._committed_tokens,
+            wasted_tokens=self._wasted_tokens,
             groups_with_finished_siblings=len(self._finished),
             finished_siblings=sum(len(siblings) for siblings in self._finished.values()),
         )
@@ -120,12 +157,20 @@ class Rollouts:
     # ---- admission and requests --------------------------------------------------------------
 
     def has_capacity(self) -> bool:
-        """Room for one more admission: generation slots, the commit queue, the buffer, the sampler's gate."""
+        """Room for one more admission: the one place the admission invariant is enforced.
+
+        The invariant: prompts in flight (queued for generation, generating, awaiting commit) plus
+        ready groups never exceed what the sampler can still train within the staleness window
+        (``Config.window_capacity_groups``), capped by ``async_rl.buffer_capacity_groups``, so nothing
+        is admitted only to go stale.  Restored groups count like live ones.  An ungated sampler is
+        held to it here (``Config.admission_capacity_groups``); a gated one by its own quota, which
+        keeps the same bound (``_held_groups_limit``).  Besides: generation's slots and the commit queue.
+        """
         state, config = self._state, self._config
         return (
-            state.in_flight - self._awaiting_commit < config.generation.max_inflight_prompts
-            and self._awaiting_commit < config.generation.commit_queue_groups
-            and state.in_flight + len(state.replay) < config.async_rl.buffer_capacity_groups
+            state.in_flight - len(self._awaiting) < config.generation.max_inflight_prompts
+            and len(self._awaiting) < config.generation.commit_queue_groups
+            and state.in_flight + len(state.replay) < self._capacity
             and state.sampler.may_dispatch(state.trainer_step)
         )
 
@@ -144,7 +189,8 @@ class Rollouts:
     async def requeue_in_flight(self) -> int:
         """List every prompt the ledger holds in flight (a run that stopped mid-generation left them
         there) as a request for its missing siblings, to be generated before anything new is admitted."""
-        self._requeued = [self.request(group_id) for group_id in await self._state.redispatch_in_flight()]
+        self._requeued = [self.request(group_id) for group_id in await self._state.redispatch_in_flight()
+                          if group_id not in self._awaiting]
         return len(self._requeued)
 
     async def take_requeued(self) -> list[GroupRequest]:
@@ -183,17 +229,19 @@ class Rollouts:
         for index, completion in zip(request.siblings, result.completions, strict=False):
             if completion.finish_reason in COMPLETE:
                 finished.setdefault(index, completion)
+            else:
+                self._waste(WasteReason.ABORTED, len(completion.token_ids))
         if len(finished) < self._group_size:
             return False
         if self._to_commit is None:
             return True
         del self._finished[request.group_id]
         # Generation is done with it: its slot goes to the next prompt, even while commits wait on a TQ save.
-        self._awaiting_commit += 1
+        complete = GroupResult(replace(request, siblings=tuple(range(self._group_size))),
+                               [finished[i] for i in range(self._group_size)], result.end_weight_version)
+        self._awaiting[request.group_id] = complete
         self._on_change()
-        self._to_commit.send_nowait(GroupResult(replace(request, siblings=tuple(range(self._group_size))),
-                                                [finished[i] for i in range(self._group_size)],
-                                                result.end_weight_version))
+        self._to_commit.send_nowait(complete)
         return True
 
     async def redispatch_aborted(self, result: GroupResult) -> GroupRequest:
@@ -205,7 +253,7 @@ class Rollouts:
         window_start = self._state.window_start()
         stale = tuple((i, c.weight_version) for i, c in sorted(finished.items()) if c.weight_version < window_start)
         for index, _ in stale:
-            del finished[index]
+            self._waste(WasteReason.STALE_SIBLING, len(finished.pop(index).token_ids))
         if stale and self._to_commit is not None:
             self._to_commit.send_nowait(SiblingsStale(group_id, stale))
         await self._state.note_redispatch(group_id, reason)
@@ -213,13 +261,19 @@ class Rollouts:
         log.info("group %s back to generation: %s (%d finished siblings kept)", group_id, reason, len(finished))
         return self.request(group_id)
 
-    async def evict_stale(self) -> int:
-        """Drop every ready group the sampler calls stale now; returns how many."""
-        stale = await self._state.evict_stale()
+    async def evict_stale(self, *, at_restore: bool = False) -> list[GroupMeta]:
+        """Drop every ready group the sampler calls stale now (``at_restore``: those that went stale while
+        the run was down); returns them."""
+        stale = await self._state.evict_stale(at_restore=at_restore)
         if stale:
             metrics.groups_evicted_stale.inc(len(stale))
+            self._waste(WasteReason.STALE_GROUP, sum(group.completion_tokens for group in stale))
             self._on_change()
-        return len(stale)
+        return stale
+
+    def _waste(self, reason: WasteReason, tokens: int) -> None:
+        self._wasted_tokens += tokens
+        metrics.wasted_tokens.labels(reason.value).inc(tokens)
 
     # ---- the committer -----------------------------------------------------------------------
 
@@ -231,6 +285,8 @@ class Rollouts:
         """
         to_commit, items = anyio.create_memory_object_stream[CommitItem](math.inf)
         self._to_commit = to_commit
+        for result in self._awaiting.values():
+            to_commit.send_nowait(result)
         held: CommitItem | None = None
         try:
             task_status.started()
@@ -254,28 +310,14 @@ class Rollouts:
                     try:
                         await self.commit(item)
                     finally:
-                        self._awaiting_commit -= 1
+                        # Cancelled mid-commit, the group may or may not have been committed: the ledger knows.
+                        group_id = item.request.group_id
+                        if self._state.ledger.state_of(group_id) is not PromptState.IN_FLIGHT:
+                            del self._awaiting[group_id]
         finally:
             self._to_commit = None
-            self._take_back([held] if held is not None else [], items)
             to_commit.close()
             items.close()
-
-    def _take_back(self, held: list[CommitItem], items: MemoryObjectReceiveStream[CommitItem]) -> None:
-        """The committer stopped (the run ended): finished groups it had not committed go back to
-        memory, still in flight, so a later run of this controller commits them without generating
-        them again.  Queued siblings are in memory already; a lost unstage leaves a staged copy that
-        the group's commit clears."""
-        while True:
-            try:
-                held.append(items.receive_nowait())
-            except (anyio.WouldBlock, anyio.EndOfStream):
-                break
-        for item in held:
-            if isinstance(item, GroupResult):
-                self._finished[item.request.group_id] = dict(zip(item.request.siblings, item.completions,
-                                                                 strict=True))
-                self._awaiting_commit -= 1
 
     async def _stage(self, items: list[SiblingFinished]) -> None:
         """Stage finished siblings in one TQ put, except those whose group has since completed or
@@ -326,9 +368,8 @@ class Rollouts:
             target_step=req.target_step, admitted_at=req.admitted_at, committed_at=time.time(),
         )
         await self._state.commit(group, rollouts)
-        completion_tokens = group.tokens - group.prompt_len * len(rollouts)
-        self._committed_tokens += completion_tokens
+        self._committed_tokens += group.completion_tokens
         metrics.committed_groups.inc()
-        metrics.committed_tokens.inc(completion_tokens)
+        metrics.committed_tokens.inc(group.completion_tokens)
         metrics.group_completion_latency.observe(group.committed_at - req.admitted_at)
         self._on_change()

@@ -8,6 +8,13 @@ is in ``state()``, which every cut captures, so they restore from a replay
 checkpoint exactly where they stopped.  A sampler that declares
 ``supports_replay_checkpoint = False`` restores in shadow mode.
 
+Admission is paced (``Rollouts.has_capacity``): groups in flight plus ready
+stay within ``groups_per_step x (max_staleness_versions + 1)``, what the window
+lets the trainer take.  The ungated sampler is held to it there; the gated
+samplers' quotas keep the same bound by themselves and stay the rule for them
+(only a configured ``buffer_capacity_groups`` caps them besides), so a state
+re-derived at a restore is never blocked by the cap.
+
 At restore, each sampler checks the document it is handed against what the
 restored ledger holds (``check_state``, ``restore_dispatch``): a document that
 could not make progress from there is refused naming its field, never trusted

@@ -10,6 +10,8 @@ checkpointer records, the metrics label and the report plots.
 from __future__ import annotations
 
 import enum
+import time
+import uuid
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -100,6 +102,17 @@ class _Document(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     schema_version: int = SCHEMA_VERSION
 
 
+class RunIdentity(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """The logical run experiment trackers show as one, across restarts."""
+
+    run_id: str  # the W&B run id; the MLflow run is tagged with it; the TensorBoard run directory's name
+    started_at: float  # wall-clock time of the run's first start: the trackers' time axis counts from it
+
+
+def new_run_identity() -> RunIdentity:
+    return RunIdentity(run_id=uuid.uuid4().hex[:16], started_at=time.time())
+
+
 class TrainingInfo(_Document):
     step: int
     weight_version: int
@@ -121,6 +134,8 @@ class TrainingInfo(_Document):
     # TQ's storage units when saved: TQ loads a snapshot only into as many.  None in bundles written
     # before it was recorded (``verify.storage_units_of`` counts their snapshot's unit files).
     storage_units: int | None = None
+    # None in bundles written before it was recorded: a restore from one starts a new tracker run.
+    run: RunIdentity | None = None
 
 
 class LedgerEntryRecord(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
@@ -155,6 +170,9 @@ class Sidecar(_Document):
     # TQ keys (group ids) the snapshot may hold beyond the cut (put while the save ran); restore
     # clears them.  Schema 2 bundles (a key per row, saved inside the hold) have none.
     uncut_keys: list[str] = []
+    # Prompts per bucket and fate (``scd.skew``), continued by a restore.  Bundles written before
+    # they were counted have none: the counts start at zero.
+    prompt_fates: dict[str, dict[str, int]] = {}
 
 
 class DataloaderDocument(_Document):

@@ -1,7 +1,9 @@
 """Controller state: what a checkpoint cut captures, and the only code that changes it.
 
 The state is the prompt ledger, the replay index, the prompt order (the
-dataloader cursor), the sampler's dispatch state and the trainer counters.
+dataloader cursor), the sampler's dispatch state, the trainer counters, the
+prompts' fates per bucket (``scd.skew``) and the run's identity for experiment
+trackers.
 
 The rule, said once: **every change to this state happens inside a mutation
 holding the checkpoint barrier's shared side** (``barrier.mutation``, tagged
@@ -31,6 +33,8 @@ from scd.ledger import DropReason, PromptLedger, PromptState, StagedSiblings, st
 from scd.records import Completion, Rollout
 from scd.replay import GroupMeta, ReplayIndex
 from scd.samplers import DispatchView, Sampler
+from scd.schema import RunIdentity, new_run_identity
+from scd.skew import Fate, FateCounts, PromptBuckets, PromptFates
 
 
 class RowStore(Protocol):
@@ -61,6 +65,8 @@ class Cut:
     supports_replay_checkpoint: bool
     replay_digest: str
     captured_at: float
+    fates: FateCounts
+    run: RunIdentity
 
     def keys(self) -> set[str]:
         """Every TQ key the cut names: its ready groups and its in-flight groups' staged siblings."""
@@ -78,6 +84,8 @@ class Restored:
     ledger: PromptLedger
     sampler_state: dict[str, Any]
     shadow: bool
+    fates: FateCounts
+    run: RunIdentity | None  # None from a bundle that predates it: the run keeps a new identity
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,6 +115,8 @@ class ControllerState:
         self.in_flight = 0
         self.committed_groups = 0
         self.evicted_stale = 0
+        self.fates = PromptFates(PromptBuckets.single(num_prompts))
+        self.run = new_run_identity()
         self._rows = rows
 
     def statistics(self) -> StateStatistics:
@@ -116,6 +126,12 @@ class ControllerState:
             committed_groups=self.committed_groups, evicted_stale=self.evicted_stale, ledger=self.ledger.counts(),
             staged_siblings=self.ledger.staged_count(),
         )
+
+    def use_buckets(self, buckets: PromptBuckets) -> None:
+        """Count fates in ``buckets`` (the prompts' token lengths are known once the policy encoded them)."""
+        if self.barrier.statistics().mutations:
+            raise InvariantViolation("prompt buckets changed after the controller state was mutated")
+        self.fates = PromptFates(buckets)
 
     def window_start(self) -> int:
         """The oldest weight version whose rollouts a train step may still take."""
@@ -128,6 +144,7 @@ class ControllerState:
         async with self.barrier.mutation(MutationKind.ADMIT):
             epoch, prompt_id = self.order.take()
             group_id = self.ledger.admit(epoch, prompt_id, self.sampler.on_dispatch())
+            self.fates.count(prompt_id, Fate.ADMITTED)
             self.in_flight += 1
         return group_id
 
@@ -141,6 +158,7 @@ class ControllerState:
     async def note_redispatch(self, group_id: str, reason: str) -> None:
         async with self.barrier.mutation(MutationKind.REDISPATCH):
             self.ledger.note_redispatch(group_id, reason)
+            self.fates.count(self.ledger.entry(group_id).prompt_id, Fate.REDISPATCHED)
 
     async def _put_or_discard(self, keys: list[str], put: Awaitable[None]) -> None:
         """Run ``put``; if it fails, the data it may have written under ``keys`` is cleared.
@@ -208,18 +226,24 @@ class ControllerState:
         """A train step's groups are consumed and the counters advance, together."""
         async with self.barrier.mutation(MutationKind.CONSUME):
             await self._remove(MutationKind.CONSUME, batch, PromptState.CONSUMED)
+            for group in batch:
+                self.fates.count(group.prompt_id, Fate.TRAINED)
             self.trainer_step += 1
             self.weight_version += 1
             self.ledger.prune_finished_epochs(self.order.state.epoch)
 
-    async def evict_stale(self) -> list[GroupMeta]:
-        """Drop every group the sampler calls stale at the current version; returns them."""
+    async def evict_stale(self, *, at_restore: bool = False) -> list[GroupMeta]:
+        """Drop every group the sampler calls stale at the current version; returns them.
+
+        ``at_restore``: the restore evicts restored groups that went stale while the run was down.
+        """
         stale = [g for g in self.replay.groups() if self.sampler.is_stale(g, self.weight_version)]
         if stale:
             async with self.barrier.mutation(MutationKind.EVICT):
                 await self._remove(MutationKind.EVICT, stale, PromptState.DROPPED, DropReason.STALE)
                 for group in stale:
                     self.sampler.on_evicted(group)
+                    self.fates.count(group.prompt_id, Fate.EVICTED if at_restore else Fate.DROPPED_STALE)
                 self.evicted_stale += len(stale)
         return stale
 
@@ -239,7 +263,7 @@ class ControllerState:
             dataloader=DataloaderState(seed=dl.seed, epoch=dl.epoch, cursor=dl.cursor),
             groups=self.replay.groups(), ledger=self.ledger.copy(), sampler_name=self.sampler.name,
             sampler_state=self.sampler.state(), supports_replay_checkpoint=self.sampler.supports_replay_checkpoint,
-            replay_digest=self.replay.digest(), captured_at=time.time(),
+            replay_digest=self.replay.digest(), captured_at=time.time(), fates=self.fates.counts(), run=self.run,
         )
 
     def install(self, restored: Restored) -> None:
@@ -256,6 +280,8 @@ class ControllerState:
         self.order.restore(restored.dataloader.seed, restored.dataloader.epoch, restored.dataloader.cursor)
         self.ledger = restored.ledger
         self.replay = restored.index
+        self.fates.load(restored.fates)
+        self.run = restored.run or self.run
         if restored.shadow:
             self.sampler.load_state({"dispatched": self.trainer_step * self.sampler.groups_per_step})
             for group_id in self.ledger.in_state(PromptState.READY):
@@ -272,4 +298,6 @@ class ControllerState:
                 self.ledger.retarget(group_id, target_step)
                 if group_id in self.replay:
                     self.replay.retarget(group_id, target_step)
+        for group_id in self.ledger.in_state(PromptState.IN_FLIGHT):
+            self.fates.count(self.ledger.entry(group_id).prompt_id, Fate.LOST_TO_CRASH)
 

@@ -20,6 +20,8 @@ from scd.errors import ConfigError
 
 # Built-in prompts end with this, so the model knows where its answer starts.
 PROMPT_END = "="
+# Skew telemetry keeps a counter per bucket and fate: a bucket field with more distinct values is refused.
+MAX_FIELD_BUCKETS = 64
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,6 +29,7 @@ class Prompt:
     prompt_id: int
     text: str  # exactly what the model is shown
     answer: str
+    bucket: str = ""  # the value of ``task.bucket_field`` (a JSONL task's column), for skew telemetry
 
 
 def score(completion: str, answer: str) -> float:
@@ -38,7 +41,7 @@ def score(completion: str, answer: str) -> float:
 def build_task(config: TaskConfig) -> list[Prompt]:
     """The task's prompts, deterministic from ``config.seed``."""
     if config.name == "jsonl":
-        return _load_jsonl(Path(config.path))
+        return _load_jsonl(Path(config.path), config.bucket_field)
     rng = random.Random(config.seed)
     prompts = []
     for prompt_id in range(config.size):
@@ -49,8 +52,8 @@ def build_task(config: TaskConfig) -> list[Prompt]:
     return prompts
 
 
-def _load_jsonl(path: Path) -> list[Prompt]:
-    prompts = []
+def _load_jsonl(path: Path, bucket_field: str) -> list[Prompt]:
+    prompts: list[Prompt] = []
     for line_no, line in enumerate(path.read_text().splitlines(), start=1):
         if not line.strip():
             continue
@@ -62,7 +65,23 @@ def _load_jsonl(path: Path) -> list[Prompt]:
             raise ConfigError("task.path", f"{where}: need a JSON object with 'prompt' and 'answer'") from None
         if not isinstance(text, str) or not isinstance(answer, str) or not answer:
             raise ConfigError("task.path", f"{where}: 'prompt' and 'answer' must be strings, answer non-empty")
-        prompts.append(Prompt(len(prompts), text, answer))
+        prompts.append(Prompt(len(prompts), text, answer, _bucket_of(record, bucket_field, where)))
     if not prompts:
         raise ConfigError("task.path", f"{path} holds no prompts")
+    buckets = {p.bucket for p in prompts}
+    if len(buckets) > MAX_FIELD_BUCKETS:
+        raise ConfigError("task.bucket_field", f"{path}: {bucket_field!r} has {len(buckets)} distinct values; skew "
+                                               f"telemetry keeps counters per value, at most {MAX_FIELD_BUCKETS}: "
+                                               "name a coarser column, or leave it empty to bucket by length")
     return prompts
+
+
+def _bucket_of(record: dict[str, object], field: str, where: str) -> str:
+    """A prompt's bucket: its ``field`` value as text ("" when no field is named)."""
+    if not field:
+        return ""
+    value = record.get(field)
+    if isinstance(value, bool) or not isinstance(value, str | int | float):
+        raise ConfigError("task.bucket_field", f"{where}: needs a string or number field {field!r} "
+                                               f"(the bucket of each prompt), got {value!r}")
+    return str(value)

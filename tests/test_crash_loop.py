@@ -1,7 +1,10 @@
 """A run SIGKILLed at seeded random moments still finishes, and the event log proves nothing was lost.
 
 Each sampler runs the loop; the gated ones (weight_fifo, in_order) restore their dispatch state
-and ready groups like the windowed one.  `make soak` runs it with more kills (SCD_SOAK_KILLS).
+and ready groups like the windowed one.  `make soak` runs it with more kills (SCD_SOAK_KILLS) and
+prints what the crashes cost in waste: tokens of groups dropped stale (by the runs, and by the
+restores, which report the groups they restored already stale) over tokens generated, summed over
+every process.  Admission is paced to the staleness window, so little is generated to go stale.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import pytest
 
 from scd.checkpoint import layout
 from scd.checkpoint.verify import verify_bundle
+from scd.telemetry.report import goodput_totals
 from tests.conftest import ScdProcess, write_config
 
 CHECKPOINTS = "\n[checkpointing]\nenabled = true\ninterval_s = 0.5\nkeep_last = 3\n"
@@ -24,6 +28,7 @@ KILLS = int(os.environ.get("SCD_SOAK_KILLS", "8"))
 SAMPLER_KILLS = {"windowed": KILLS, "weight_fifo": max(2, KILLS // 4), "in_order": max(2, KILLS // 4)}
 GROUPS_PER_STEP = 8  # tests/conftest.py TINY
 PROMPTS = 64
+WASTE_LIMIT = 0.05  # of the tokens generated, across every kill and restore (47% before pacing)
 
 
 def effective_history(events: list[dict]) -> list[dict]:
@@ -67,7 +72,8 @@ def test_crash_loop_loses_nothing(tmp_path: Path, scd_processes: list[ScdProcess
     scd_processes.append(final)
     assert final.wait(timeout=300) == 0, final.output()[-3000:]
 
-    events = [orjson.loads(line) for line in (tmp_path / "out" / "events.jsonl").read_text().splitlines()]
+    events_path = tmp_path / "out" / "events.jsonl"
+    events = [orjson.loads(line) for line in events_path.read_text().splitlines()]
     assert sum(e["event"] == "start" for e in events) == SAMPLER_KILLS[sampler] + 1
     # No ready group is generated again: every restore put back all of its bundle's ready groups
     # (stale ones are then evicted, never regenerated), for the gated samplers too.
@@ -94,6 +100,12 @@ def test_crash_loop_loses_nothing(tmp_path: Path, scd_processes: list[ScdProcess
     assert sum(counts.values()) == admitted, "an admitted prompt is missing from the ledger"
     assert counts["consumed"] == len(consumed)
     assert all(e.reason for e in last.ledger.entries().values() if e.state.value == "dropped")
+    # What the crashes cost: every restore says what it threw away, and the waste over all processes is small.
+    assert all(type(e["stale_tokens"]) is int and e["stale_tokens"] >= 0 for e in restores)
+    waste = goodput_totals(events_path)
     print(f"crash loop ({sampler}): {SAMPLER_KILLS[sampler]} kills, {admitted} prompts admitted, "
           f"{counts['consumed']} consumed, {counts['dropped']} dropped, final step {k + 3}; ready groups kept "
-          f"{sum(r for r, _ in kept)} of {sum(b for _, b in kept)} over {len(kept)} restores")
+          f"{sum(r for r, _ in kept)} of {sum(b for _, b in kept)} over {len(kept)} restores; waste "
+          f"{waste.waste_ratio:.4f} of {waste.generated_tokens} tokens generated over {waste.runs} runs (restores "
+          f"threw away {waste.restore_stale_groups} stale groups, {waste.restore_stale_tokens} tokens)")
+    assert waste.waste_ratio <= WASTE_LIMIT

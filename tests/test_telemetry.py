@@ -64,6 +64,7 @@ def test_families_after_checkpoint_failure_and_restore(tmp_path: Path, scd_proce
     assert value(text, "scd_checkpoint_blocked_mutations_total", kind="commit") >= 0
     assert ("scd_checkpoint_mutation_wait_seconds_count", ()) in samples(text)
     assert value(text, "scd_replay_rows") == 8 * value(text, "scd_replay_groups")
+    assert value(text, "scd_staged_siblings") >= 0  # published with the other gauges (0: torch finishes groups whole)
     assert value(text, "scd_group_completion_latency_seconds_count") > 0
     assert value(text, "scd_group_admission_latency_seconds_count") > 0
     assert value(text, "scd_restore_phase_seconds_count", phase="total") == 0

@@ -23,13 +23,14 @@ import pytest_asyncio
 import torch
 from prometheus_client import REGISTRY
 
+from scd import faults
 from scd.checkpoint import layout
 from scd.checkpoint.verify import verify_bundle
 from scd.config import Config, derive_config, parse_config
 from scd.daemon import Controller, Triggers
 from scd.errors import InvariantViolation
-from scd.generation.base import GroupRequest
-from scd.generation.vllm_backend import VLLMBackend
+from scd.generation.base import GroupRequest, GroupResult
+from scd.generation.vllm_backend import EngineFailed, VLLMBackend
 from scd.ledger import PromptState
 from scd.records import COMPLETE, Completion
 from scd.training.policy import HFPolicy, state_copy
@@ -189,10 +190,10 @@ async def test_drain_and_aborts_commit_no_truncated_group_and_lose_no_prompt(
         engine: VLLMBackend, tiny_llama: Path, tmp_path: Path, partition: str) -> None:
     # Staleness 0: every weight sync aborts every request still running, so aborts really happen; a
     # buffer and a commit queue far above what a step takes keep the engine busy at every sync (a
-    # buffer of 64, or a full commit queue, can leave nothing running to abort).
+    # buffer of 64, or a full commit queue, can leave nothing running to abort): admission unpaced.
     config = vllm_config(tiny_llama, tmp_path / "out", partition,
                          async_rl={"sampler": {"name": "windowed", "max_staleness_versions": 0},
-                                   "buffer_capacity_groups": 512},
+                                   "buffer_capacity_groups": 512, "pace_admission": False},
                          generation={"max_new_tokens": 8, "max_inflight_prompts": 32, "commit_queue_groups": 512})
     redispatched = REGISTRY.get_sample_value("scd_generation_groups_redispatched_total") or 0.0
     triggers = Triggers()
@@ -275,3 +276,209 @@ def test_vllm_checkpoint_kill_and_restore_trains_on(tiny_llama: Path, tmp_path: 
     out = second.output()
     assert f"restored {bundle}: step {step}" in out
     assert f"step {step + 3} version {step + 3}" in out and f"step {step} version" not in out
+
+
+# ---- weight sync: in memory, by reload, and what a failed sync leaves --------------------------------
+
+# vLLM fuses these Hugging Face projections into one parameter each, in this order.
+FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+async def assert_engines_hold(backend: VLLMBackend, weights: dict[str, torch.Tensor]) -> None:
+    """Every engine's parameters, read back from its workers, are bitwise the trainer's (tensor parallel 1)."""
+    for engine, workers in enumerate(await backend.worker_parameters()):
+        [worker] = workers
+        for name, (shape, dtype, raw) in worker["params"].items():
+            held = torch.frombuffer(bytearray(raw), dtype=getattr(torch, dtype)).reshape(shape)
+            module, _, leaf = name.rpartition(".")
+            prefix, _, kind = module.rpartition(".")
+            parts = [f"{prefix}.{part}.{leaf}" for part in FUSED[kind]] if kind in FUSED else [name]
+            expected = torch.cat([weights[part] for part in parts])
+            # Rows past the real vocabulary pad embed_tokens and lm_head to vLLM's multiple.
+            held = held[:expected.shape[0]]
+            assert held.shape == expected.shape, (engine, name)
+            assert held.numpy().tobytes() == expected.contiguous().numpy().tobytes(), (engine, name)
+
+
+def perturb(model: torch.nn.Module, scale: float, seed: int) -> None:
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(torch.randn(param.shape, generator=generator) * scale)
+
+
+def sample(name: str, **labels: str) -> float:
+    return REGISTRY.get_sample_value(name, labels) or 0.0
+
+
+def assert_sampled_by(policy: HFPolicy, model: torch.nn.Module, result: GroupResult, atol: float = 1e-4) -> None:
+    """Every token of ``result`` has the logprob ``model``'s weights give it: no other weights served it."""
+    for completion in result.completions:
+        expected = hf_logprobs(policy, model, result.request.prompt_ids, completion.token_ids)
+        assert torch.allclose(torch.tensor(completion.logprobs), expected, atol=atol)
+
+
+async def test_every_sync_leaves_the_engine_bitwise_equal_to_the_trainer(engine: VLLMBackend, tiny_llama: Path,
+                                                                         tmp_path: Path) -> None:
+    policy = HFPolicy(vllm_config(tiny_llama, tmp_path).model)
+    model = policy.build_model().eval()
+    syncs = {path: sample("scd_weight_sync_seconds_count", path=path) for path in ("transfer", "reload")}
+    for version, path in enumerate(("transfer", "transfer", "reload", "transfer"), start=1):
+        perturb(model, 0.05, seed=version)
+        await engine.update_weights(model.state_dict(), version, path=path)  # type: ignore[arg-type]
+        await assert_engines_hold(engine, model.state_dict())
+    [result] = await engine.generate([request(policy, max_tokens=8)], ignore_siblings)
+    assert_sampled_by(policy, model, result, atol=1e-3)
+    assert sample("scd_weight_sync_seconds_count", path="transfer") == syncs["transfer"] + 3
+    assert sample("scd_weight_sync_seconds_count", path="reload") == syncs["reload"] + 1
+
+
+async def test_a_broadcast_cut_part_way_is_sent_again_and_no_request_sees_half_updated_weights(
+        engine: VLLMBackend, tiny_llama: Path, tmp_path: Path) -> None:
+    policy = HFPolicy(vllm_config(tiny_llama, tmp_path).model)
+    model = policy.build_model().eval()
+    await engine.update_weights(model.state_dict(), 0)
+    perturb(model, 0.5, seed=21)
+    failures = sample("scd_weight_sync_failures_total", path="transfer")
+    results: list[GroupResult] = []
+
+    async def generate() -> None:
+        results.extend(await engine.generate([request(policy, max_tokens=8)], ignore_siblings))
+
+    # The sender fails when half of the chunks are out: the engine holds some new layers and some old.
+    with faults.armed("mid_weight_broadcast=fail"), anyio.fail_after(300):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(engine.update_weights, model.state_dict(), 1)
+            await anyio.sleep(0)  # the sync has begun: a request now waits for a whole version
+            tg.start_soon(generate)
+    assert sample("scd_weight_sync_failures_total", path="transfer") == failures + 1
+    [result] = results
+    assert result.incomplete_reason() == "" and {c.weight_version for c in result.completions} == {1}
+    assert_sampled_by(policy, model, result)
+    await assert_engines_hold(engine, model.state_dict())
+
+
+async def test_a_transfer_that_fails_twice_is_delivered_by_reload(engine: VLLMBackend, tiny_llama: Path,
+                                                                  tmp_path: Path) -> None:
+    policy = HFPolicy(vllm_config(tiny_llama, tmp_path).model)
+    model = policy.build_model().eval()
+    perturb(model, 0.5, seed=31)
+    reloads = sample("scd_weight_sync_seconds_count", path="reload")
+    with faults.armed("mid_weight_broadcast:1=fail,mid_weight_broadcast:2=fail"), anyio.fail_after(300):
+        await engine.update_weights(model.state_dict(), 2)
+    assert sample("scd_weight_sync_seconds_count", path="reload") == reloads + 1
+    await assert_engines_hold(engine, model.state_dict())
+    [result] = await engine.generate([request(policy, max_tokens=8)], ignore_siblings)
+    assert_sampled_by(policy, model, result)
+
+
+async def test_a_sync_nothing_can_deliver_names_the_engine_and_leaves_it_paused(engine: VLLMBackend,
+                                                                                 tiny_llama: Path,
+                                                                                 tmp_path: Path) -> None:
+    policy = HFPolicy(vllm_config(tiny_llama, tmp_path).model)
+    model = policy.build_model().eval()
+    perturb(model, 0.5, seed=41)
+    everything_fails = "mid_weight_broadcast:1=fail,mid_weight_broadcast:2=fail,during_weight_reload=enospc"
+    with faults.armed(everything_fails), anyio.fail_after(300), pytest.raises(EngineFailed) as failed:
+        await engine.update_weights(model.state_dict(), 3)
+    assert failed.value.exit_code == 1
+    assert "vLLM engine 0 of 1" in str(failed.value) and "paused" in str(failed.value)
+    assert await engine.engines_paused() == [True]
+    results: list[GroupResult] = []
+
+    async def generate() -> None:
+        results.extend(await engine.generate([request(policy, max_tokens=8)], ignore_siblings))
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(generate)
+        await anyio.sleep(2.0)
+        assert results == [] and engine.running_requests() == 1  # held: the engine has no whole version
+        # What the restart would do: a whole version, then the engine serves again.
+        await engine.update_weights(model.state_dict(), 3)
+    assert await engine.engines_paused() == [False]
+    await assert_engines_hold(engine, model.state_dict())
+    [result] = results
+    assert_sampled_by(policy, model, result)
+
+
+# ---- the generated-token counter, and the abort of stale requests (tests/test_behaviours.py's vLLM part) ----------
+
+
+def vllm_generation_tokens() -> float:
+    """vLLM's own count of tokens its engines generated (vllm:generation_tokens_total, every engine)."""
+    return sum(s.value for family in REGISTRY.collect() if family.name == "vllm:generation_tokens"
+               for s in family.samples if s.name == "vllm:generation_tokens_total")
+
+
+def tokens_in(result: GroupResult) -> int:
+    return sum(len(c.token_ids) for c in result.completions)
+
+
+async def test_generated_tokens_counts_every_token_returned_aborted_partial_output_included(
+        engine: VLLMBackend, tiny_llama: Path, tmp_path: Path) -> None:
+    policy = HFPolicy(vllm_config(tiny_llama, tmp_path).model)
+    await engine.update_weights(state_copy(policy.build_model().eval()), 0)
+    counted, exported = engine.generated_tokens(), REGISTRY.get_sample_value("scd_generation_tokens_total") or 0.0
+
+    [complete] = await engine.generate([request(policy, "e0-p0", max_tokens=4)], ignore_siblings)
+    assert complete.incomplete_reason() == "" and tokens_in(complete) > 0
+
+    # Aborted once the engine has generated a few tokens of it: what it returned by then counts too.
+    results: list[GroupResult] = []
+
+    async def generate() -> None:
+        results.extend(await engine.generate([request(policy, "e0-p1", max_tokens=58, text="1=")],
+                                             ignore_siblings))
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(generate)
+        while not engine.running_requests():
+            await anyio.sleep(0)
+        started = vllm_generation_tokens()
+        with anyio.fail_after(30):
+            while vllm_generation_tokens() - started < 8:
+                await anyio.sleep(0.001)
+        assert await engine.abort_older_than(10_000) == 1
+    [aborted] = results
+    assert "stale" in aborted.incomplete_reason()
+    assert 0 < tokens_in(aborted) < 8 * 58  # partial: generated, then aborted
+    returned = tokens_in(complete) + tokens_in(aborted)
+    assert engine.generated_tokens() - counted == returned
+    assert (REGISTRY.get_sample_value("scd_generation_tokens_total") or 0.0) - exported == returned
+
+
+async def test_abort_older_than_aborts_exactly_the_requests_started_below_the_window(
+        engine: VLLMBackend, tiny_llama: Path, tmp_path: Path) -> None:
+    """Requests in flight under weight versions v, v+1 and v+2 (two each): the window moving to v+1 aborts
+    the two of v, and only those; the others run to their end under the version they started with."""
+    policy = HFPolicy(vllm_config(tiny_llama, tmp_path).model)
+    weights = state_copy(policy.build_model().eval())
+    v = 100
+    results: dict[str, GroupResult] = {}
+
+    async def generate(group_id: str) -> None:
+        [results[group_id]] = await engine.generate([request(policy, group_id, max_tokens=58, text="1=")],
+                                                    ignore_siblings)
+
+    started: dict[int, list[str]] = {}
+    with anyio.fail_after(60):
+        async with anyio.create_task_group() as tg:
+            for version in (v, v + 1, v + 2):
+                # The sync pauses the engine (in-flight requests wait, none is aborted) and stamps the version.
+                await engine.update_weights(weights, version)
+                started[version] = [f"e0-p{version - v}{i}" for i in range(2)]
+                for group_id in started[version]:
+                    tg.start_soon(generate, group_id)
+                while engine.running_requests() < 2 * (version - v + 1):
+                    await anyio.sleep(0)
+            assert engine.running_requests() == 6  # all six in flight at once
+            assert await engine.abort_older_than(v + 1) == 2
+    for group_id in started[v]:
+        assert results[group_id].aborted == f"stale: started under weight version {v}, window starts at {v + 1}"
+        assert {c.weight_version for c in results[group_id].completions} == {v}
+    for version in (v + 1, v + 2):
+        for group_id in started[version]:
+            result = results[group_id]
+            assert result.incomplete_reason() == "", (group_id, result.incomplete_reason())
+            assert {c.weight_version for c in result.completions} == {version}
+            assert all(c.finish_reason in COMPLETE for c in result.completions)

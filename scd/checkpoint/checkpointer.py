@@ -70,7 +70,7 @@ class Checkpointer:
         self._state, self._dataplane, self._trainer = state, dataplane, trainer
         self._context = BundleContext(
             partition=config.data_plane.partition, storage_units=config.data_plane.storage_units,
-            capacity=config.async_rl.buffer_capacity_groups,
+            capacity=config.admission_capacity_groups(),
             group_size=config.generation.group_size, fingerprint=config.fingerprint(),
             fingerprint_fields=config.fingerprint_fields(),
         )

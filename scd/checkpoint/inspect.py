@@ -31,5 +31,6 @@ def inspect_bundle(path: Path) -> dict[str, object]:
         "sidecar_bytes": info.sidecar_bytes,
         "data_plane_bytes": info.data_plane_bytes, "digest": info.replay_digest, "capacity": info.capacity,
         "time": info.time, "config_fingerprint": info.config_fingerprint,
+        "run_id": info.run.run_id if info.run is not None else None, "prompt_fates": verified.sidecar.prompt_fates,
     }
 

@@ -85,6 +85,9 @@ class RestoreReport:
     uncut_groups_cleared: int  # groups put while the bundle's TQ save ran: in its snapshot, not in its cut
     siblings_reused: int
     siblings_rerun: int  # out of the staleness window, or not loaded (a shadow restore loads no TQ snapshot)
+    # Completion tokens of restored groups evicted stale and of staged siblings out of the window: what
+    # the restart threw away of work already generated (a shadow restore's siblings are not read: not counted).
+    stale_tokens: int
     phases: dict[str, float] = field(default_factory=dict)
 
 
@@ -217,9 +220,12 @@ def check_against_config(config: Config, state: ControllerState, verified: Verif
     if info.partition != config.data_plane.partition:
         refuse(f"holds TQ partition {info.partition!r}; this run uses {config.data_plane.partition!r}")
     in_flight = len(verified.ledger.in_state(PromptState.IN_FLIGHT))
-    if info.groups + in_flight > config.async_rl.buffer_capacity_groups:
+    # Only the configured limit refuses: beyond what the window can use, admission just waits while
+    # the restored groups are trained (or evicted stale).
+    limit = config.async_rl.buffer_capacity_groups
+    if limit != "auto" and info.groups + in_flight > limit:
         refuse(f"holds {info.groups} ready groups and {in_flight} prompts in flight, more than "
-               f"async_rl.buffer_capacity_groups = {config.async_rl.buffer_capacity_groups}")
+               f"async_rl.buffer_capacity_groups = {limit}")
     if info.config_fingerprint != config.fingerprint() and not allow_config_change:
         saved, now = info.config_fingerprint_fields, config.fingerprint_fields()
         changed = sorted(k for k in set(saved) | set(now) if saved.get(k) != now.get(k))
@@ -270,6 +276,11 @@ async def restore_state(config: Config, parts: RestoreParts, restore_from: Path 
     check_against_config(config, state, verified, allow_config_change)
     sidecar = verified.sidecar
     shadow = not state.sampler.supports_replay_checkpoint
+    buckets = state.fates.buckets
+    if sidecar.prompt_fates and set(sidecar.prompt_fates) != set(buckets.labels):
+        log.warning("%s counted prompt fates in buckets %s; this run buckets by %s into %s: only the buckets "
+                    "both have continue their counts", bundle, sorted(sidecar.prompt_fates), buckets.basis,
+                    list(buckets.labels))
     clock.lap(RestorePhase.REPLAY_METADATA)
 
     dl = verified.dataloader
@@ -309,52 +320,58 @@ async def restore_state(config: Config, parts: RestoreParts, restore_from: Path 
 
     state.install(Restored(
         step=info.step, weight_version=info.weight_version, dataloader=dataloader, index=index,
-        ledger=verified.ledger, sampler_state=sidecar.sampler.state, shadow=shadow,
+        ledger=verified.ledger, sampler_state=sidecar.sampler.state, shadow=shadow, fates=sidecar.prompt_fates,
+        run=info.run,
     ))
     clock.lap(RestorePhase.LEDGER)
 
-    reused, rerun = await restore_staged_siblings(state, dataplane, parts.rollouts)
+    reused, rerun, stale_sibling_tokens = await restore_staged_siblings(state, dataplane, parts.rollouts)
     rerun += len(staged_in_bundle) if shadow else 0
     clock.lap(RestorePhase.SIBLINGS)
-    evicted = await parts.rollouts.evict_stale()
+    evicted = await parts.rollouts.evict_stale(at_restore=True)
+    stale_tokens = stale_sibling_tokens + sum(group.completion_tokens for group in evicted)
     clock.lap(RestorePhase.EVICT)
-    await parts.generation.update_weights(parts.trainer.weights(), state.weight_version)
+    await parts.generation.update_weights(parts.trainer.live_weights(), state.weight_version)
     clock.lap(RestorePhase.FIRST_WEIGHT_SYNC)
     redispatched = await parts.rollouts.requeue_in_flight()
     clock.lap(RestorePhase.REDISPATCH)
 
     report = RestoreReport(
         bundle=bundle, step=info.step, bundle_time=info.time, groups_restored=len(state.replay),
-        groups_evicted_stale=evicted, prompts_redispatched=redispatched, shadow=shadow,
-        uncut_groups_cleared=uncut_cleared, siblings_reused=reused, siblings_rerun=rerun, phases=clock.stop(),
+        groups_evicted_stale=len(evicted), prompts_redispatched=redispatched, shadow=shadow,
+        uncut_groups_cleared=uncut_cleared, siblings_reused=reused, siblings_rerun=rerun, stale_tokens=stale_tokens,
+        phases=clock.stop(),
     )
     await record_restore(report, parts.events)
     return report
 
 
 async def restore_staged_siblings(state: ControllerState, dataplane: DataPlane,
-                                  rollouts: Rollouts) -> tuple[int, int]:
+                                  rollouts: Rollouts) -> tuple[int, int, int]:
     """The restored cut's staged siblings: those within the staleness window are read back and handed
     to ``rollouts`` (not generated again); older ones are unstaged, to be generated again.
 
-    Returns (reused, rerun).
+    Returns (reused, rerun, the rerun ones' tokens).
     """
     window_start = state.window_start()
     reusable: list[tuple[str, int, int]] = []
-    rerun = 0
+    stale: dict[str, list[tuple[int, int]]] = {}
     for group_id in state.ledger.in_state(PromptState.IN_FLIGHT):
-        staged = state.ledger.entry(group_id).staged
-        stale = tuple((index, version) for index, version in staged if version < window_start)
-        if stale:
-            await state.unstage_siblings(group_id, stale)
-            rerun += len(stale)
-        reusable.extend((group_id, index, version) for index, version in staged if version >= window_start)
-    read = await dataplane.get_siblings([staged_key(*sibling) for sibling in reusable])
+        for index, version in state.ledger.entry(group_id).staged:
+            if version >= window_start:
+                reusable.append((group_id, index, version))
+            else:
+                stale.setdefault(group_id, []).append((index, version))
+    # The stale ones are read too (one get), before they are unstaged: their tokens are what is thrown away.
+    stale_keys = [staged_key(group_id, *sibling) for group_id, group in stale.items() for sibling in group]
+    read = await dataplane.get_siblings([staged_key(*sibling) for sibling in reusable] + stale_keys)
+    for group_id, group in stale.items():
+        await state.unstage_siblings(group_id, tuple(group))
     siblings: dict[str, dict[int, Completion]] = {}
-    for (group_id, index, version), (token_ids, logprobs, finish) in zip(reusable, read, strict=True):
+    for (group_id, index, version), (token_ids, logprobs, finish) in zip(reusable, read[:len(reusable)], strict=True):
         siblings.setdefault(group_id, {})[index] = Completion(token_ids, logprobs, finish, version)
     rollouts.keep_restored(siblings)
-    return len(reusable), rerun
+    return len(reusable), len(stale_keys), sum(len(token_ids) for token_ids, _, _ in read[len(reusable):])
 
 
 async def record_restore(report: RestoreReport, events: EventLog) -> None:
@@ -366,17 +383,18 @@ async def record_restore(report: RestoreReport, events: EventLog) -> None:
     metrics.recovery_groups_restored.set(report.groups_restored)
     metrics.recovery_groups_evicted_stale.set(report.groups_evicted_stale)
     metrics.recovery_prompts_redispatched.set(report.prompts_redispatched)
+    metrics.recovery_stale_tokens.set(report.stale_tokens)
     log.info("restored %s: step %d, %d groups ready, %d evicted stale, %d prompts to redispatch, "
-             "%d finished siblings reused, %d to generate again%s (%.2fs)",
+             "%d finished siblings reused, %d to generate again, %d stale tokens thrown away%s (%.2fs)",
              report.bundle, report.step, report.groups_restored, report.groups_evicted_stale,
-             report.prompts_redispatched, report.siblings_reused, report.siblings_rerun,
+             report.prompts_redispatched, report.siblings_reused, report.siblings_rerun, report.stale_tokens,
              " [shadow: replay index not restored]" if report.shadow else "", report.phases[RestorePhase.TOTAL])
     await events.emit(
         "restore", report.step, bundle=str(report.bundle), phases=report.phases,
         groups_restored=report.groups_restored, groups_evicted_stale=report.groups_evicted_stale,
         prompts_redispatched=report.prompts_redispatched, shadow=report.shadow,
         uncut_groups_cleared=report.uncut_groups_cleared, siblings_reused=report.siblings_reused,
-        siblings_rerun=report.siblings_rerun,
+        siblings_rerun=report.siblings_rerun, stale_tokens=report.stale_tokens,
     )
 
 

@@ -160,7 +160,7 @@ def write_bundle(pending: PendingBundle, keep_last: int, context: BundleContext)
     # Compact: the sidecar grows with the buffer (training_info stays indented for people).
     sidecar = encode(Sidecar(
         partition=context.partition, replay_digest=cut.replay_digest, groups=cut.groups,
-        ledger=cut.ledger.to_document(), uncut_keys=pending.uncut,
+        ledger=cut.ledger.to_document(), uncut_keys=pending.uncut, prompt_fates=cut.fates,
         sampler=SamplerDocument(name=cut.sampler_name, state=cut.sampler_state,
                                 supports_replay_checkpoint=cut.supports_replay_checkpoint),
     ))
@@ -182,7 +182,7 @@ def write_bundle(pending: PendingBundle, keep_last: int, context: BundleContext)
         samples=sum(len(g.sample_ids) for g in cut.groups), capacity=context.capacity, time=cut.captured_at,
         config_fingerprint=context.fingerprint, config_fingerprint_fields=context.fingerprint_fields,
         files=files, sidecar_bytes=len(sidecar), data_plane_bytes=data_plane_bytes,
-        storage_units=context.storage_units,
+        storage_units=context.storage_units, run=cut.run,
     ), indent=True))
     layout.fsync_tree(tmp)
     lap(CheckpointPhase.FSYNC)

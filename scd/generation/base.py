@@ -10,11 +10,18 @@ them at first, the missing ones after a restore or an abort).  A backend whose
 siblings finish at different times reports each complete one through the
 ``SiblingSink`` as it finishes, so the daemon can stage it; one whose siblings
 finish together need not.
+
+Each backend also says how busy its engines are (``engine_activity``): per engine,
+the time with at least one request in flight and the tokens it generated, both
+cumulative.  ``BusyClock`` keeps the first; the goodput meter samples them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -59,6 +66,60 @@ class GroupResult:
         return f"siblings ended {sorted(set(unfinished))}" if unfinished else ""
 
 
+@dataclass(frozen=True, slots=True)
+class EngineActivity:
+    """One engine's work so far; both counts are cumulative over the backend's life and never go back."""
+
+    engine: str  # the engine's label in scd_engine_busy_ratio{engine}
+    busy_seconds: float  # time with at least one request in flight (monotonic clock)
+    generated_tokens: int
+    requests_in_flight: int
+
+
+class BusyClock:
+    """Time with at least one request in flight, for one engine (or any time something is held).
+
+    Thread-safe: the torch backend counts from its worker thread while the event loop reads.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._in_flight = 0
+        self._busy_seconds = 0.0
+        self._busy_since = 0.0  # when the engine last went from no request to one
+
+    def started(self) -> None:
+        """A request (or a batch of them) reached the engine."""
+        with self._lock:
+            if self._in_flight == 0:
+                self._busy_since = time.monotonic()
+            self._in_flight += 1
+
+    def finished(self) -> None:
+        """A request ``started`` reported is done, whatever its outcome."""
+        with self._lock:
+            self._in_flight -= 1
+            if self._in_flight == 0:
+                self._busy_seconds += time.monotonic() - self._busy_since
+
+    @contextmanager
+    def request(self) -> Iterator[None]:
+        """Held while the engine works on one request (or one batch of them)."""
+        self.started()
+        try:
+            yield
+        finally:
+            self.finished()
+
+    def seconds(self) -> float:
+        """Busy seconds so far, the request in progress included up to this instant."""
+        with self._lock:
+            return self._busy_seconds + (time.monotonic() - self._busy_since if self._in_flight else 0.0)
+
+    def activity(self, engine: str, generated_tokens: int) -> EngineActivity:
+        return EngineActivity(engine, self.seconds(), generated_tokens, self._in_flight)
+
+
 class GenerationBackend(Protocol):
     # How many generate() calls may run at once (the torch sampler is one worker thread).
     max_concurrent_batches: int
@@ -70,7 +131,11 @@ class GenerationBackend(Protocol):
         ...
 
     async def update_weights(self, weights: dict[str, torch.Tensor], version: int) -> None:
-        """Serve ``weights`` as ``version``: no request starts under the new version before they are live."""
+        """Serve ``weights`` as ``version``: no request starts under the new version before they are live.
+
+        ``weights`` are the trainer's own tensors (no copy), unchanged until this returns; a backend keeps
+        none of them past it.  It observes ``scd_weight_sync_seconds{path}``.
+        """
         ...
 
     async def abort_older_than(self, version: int) -> int:
@@ -79,6 +144,10 @@ class GenerationBackend(Protocol):
 
     def generated_tokens(self) -> int:
         """Cumulative tokens the backend has generated, monotonic across its lifetime."""
+        ...
+
+    def engine_activity(self) -> Sequence[EngineActivity]:
+        """Each engine's busy time and generated tokens so far (their tokens add up to ``generated_tokens``)."""
         ...
 
     async def aclose(self) -> None: ...

@@ -2,8 +2,12 @@
 
 ``generation.backend = "synthetic"`` produces complete groups of random tokens
 (drawn from each prompt's own token ids, so any policy can train on them) whose
-lengths are uniform in ``[min_completion_tokens, max_completion_tokens]``, at
-``tokens_per_s`` for the whole engine.  A batch's sequences decode in lockstep,
+lengths are uniform in ``[min_completion_tokens, max_completion_tokens]`` (or, with
+``length_from = "answer"``, each its prompt's completion budget), at
+``tokens_per_s`` for the whole engine: one call after another (``scheduling =
+"queue"``), or up to ``max_concurrent_batches`` calls at once, each at its share
+of the rate, as in a continuous-batching engine (``"slots"``: a short request
+started beside a long one finishes first).  A batch's sequences decode in lockstep,
 as in a continuous-batching engine, so siblings finish one by one, shortest
 first, and each is reported as it finishes.  Benchmarks use it to ask what the
 controller costs an engine much faster than CPU training: any time the engine
@@ -22,7 +26,7 @@ import anyio
 import torch
 
 from scd.config import Config
-from scd.generation.base import GroupRequest, GroupResult, SiblingSink
+from scd.generation.base import BusyClock, EngineActivity, GroupRequest, GroupResult, SiblingSink
 from scd.records import Completion, FinishReason
 from scd.telemetry import metrics
 
@@ -34,13 +38,16 @@ class SyntheticBackend:
         self.max_concurrent_batches = synthetic.max_concurrent_batches
         self._rate = synthetic.tokens_per_s
         self._lengths = (synthetic.min_completion_tokens, synthetic.max_completion_tokens)
+        self._length_from_answer = synthetic.length_from == "answer"
+        self._slots = synthetic.scheduling == "slots"
         self._logprob = -math.log(max(2, synthetic.max_completion_tokens))
         self._rng = random.Random(config.run.seed + 1)
         self._version = 0
         self._done_tokens = 0
-        # The engine works through its queue at a fixed rate: (start, end, tokens) of the work it holds.
+        # (start, end, tokens) of the work the engine holds; queued, it works through its calls one at a time.
         self._busy_until = 0.0
         self._in_progress: list[tuple[float, float, int]] = []
+        self._busy = BusyClock()
 
     async def generate(self, requests: Sequence[GroupRequest], on_sibling: SiblingSink) -> list[GroupResult]:
         version = self._version
@@ -48,25 +55,30 @@ class SyntheticBackend:
         for req in requests:
             body = req.prompt_ids[1:] or req.prompt_ids
             for index in req.siblings:
-                n = self._rng.randint(*self._lengths)
+                n = req.max_tokens if self._length_from_answer else self._rng.randint(*self._lengths)
                 sequences.append((req, index, Completion(
                     token_ids=[self._rng.choice(body) for _ in range(n)], logprobs=[self._logprob] * n,
                     finish_reason=FinishReason.LENGTH, weight_version=version,
                 )))
         tokens = sum(len(c.token_ids) for _, _, c in sequences)
         now = time.monotonic()
-        start = max(now, self._busy_until)
-        self._busy_until = start + tokens / self._rate
-        work = (start, self._busy_until, tokens)
+        if self._slots:
+            rate, start = self._rate / self.max_concurrent_batches, now
+        else:
+            rate, start = self._rate, max(now, self._busy_until)
+            self._busy_until = start + tokens / rate
+        work = (start, start + tokens / rate, tokens)
         self._in_progress.append(work)
         # Lockstep decoding: while k sequences are active, each token step costs k / rate seconds.
         at, decoded, active = start, 0, len(sequences)
         try:
-            for req, index, completion in sorted(sequences, key=lambda s: len(s[2].token_ids)):
-                at += (len(completion.token_ids) - decoded) * active / self._rate
-                decoded, active = len(completion.token_ids), active - 1
-                await anyio.sleep(max(0.0, at - time.monotonic()))
-                on_sibling(req, index, completion)
+            # A call queued behind another is in flight too: the engine works without a gap between them.
+            with self._busy.request():
+                for req, index, completion in sorted(sequences, key=lambda s: len(s[2].token_ids)):
+                    at += (len(completion.token_ids) - decoded) * active / rate
+                    decoded, active = len(completion.token_ids), active - 1
+                    await anyio.sleep(max(0.0, at - time.monotonic()))
+                    on_sibling(req, index, completion)
         finally:
             self._in_progress.remove(work)
         self._done_tokens += tokens
@@ -82,8 +94,12 @@ class SyntheticBackend:
                       for start, end, n in self._in_progress if end > start)
         return self._done_tokens + int(partial)
 
+    def engine_activity(self) -> list[EngineActivity]:
+        return [self._busy.activity("0", self.generated_tokens())]
+
     async def update_weights(self, weights: dict[str, torch.Tensor], version: int) -> None:
         self._version = version
+        metrics.weight_sync.labels("none").observe(0.0)  # no model: a new version is live at once
 
     async def abort_older_than(self, version: int) -> int:
         return 0

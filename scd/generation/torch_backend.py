@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from collections import defaultdict
 from collections.abc import Sequence
 
@@ -11,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from scd.config import Config
-from scd.generation.base import GroupRequest, GroupResult, SiblingSink
+from scd.generation.base import BusyClock, EngineActivity, GroupRequest, GroupResult, SiblingSink
 from scd.records import Completion, FinishReason
 from scd.telemetry import metrics
 from scd.training.policy import Policy
@@ -29,6 +30,8 @@ class TorchBackend:
         self._version = 0
         self._tokens = 0
         self._tokens_lock = threading.Lock()
+        # Busy while sampling, not while a batch waits for a weight load to finish.
+        self._busy = BusyClock()
         # Sampling and weight loads take turns on the one model, so a batch never mixes versions.
         self._limiter = anyio.CapacityLimiter(1)
 
@@ -38,10 +41,13 @@ class TorchBackend:
 
     async def update_weights(self, weights: dict[str, torch.Tensor], version: int) -> None:
         def load() -> None:
+            # load_state_dict copies: the trainer's own tensors are not kept past the call.
             self._model.load_state_dict(weights)
             self._version = version
 
+        started = time.monotonic()
         await anyio.to_thread.run_sync(load, limiter=self._limiter)
+        metrics.weight_sync.labels("in_process").observe(time.monotonic() - started)
 
     async def abort_older_than(self, version: int) -> int:
         # A batch runs under one version from start to end and no request waits inside the backend.
@@ -51,11 +57,18 @@ class TorchBackend:
         with self._tokens_lock:
             return self._tokens
 
+    def engine_activity(self) -> list[EngineActivity]:
+        return [self._busy.activity("0", self.generated_tokens())]
+
     async def aclose(self) -> None:
         return None
 
-    @torch.no_grad()
     def _generate_blocking(self, requests: Sequence[GroupRequest]) -> list[GroupResult]:
+        with self._busy.request():
+            return self._sample_groups(requests)
+
+    @torch.no_grad()
+    def _sample_groups(self, requests: Sequence[GroupRequest]) -> list[GroupResult]:
         version = self._version
         # Groups whose prompt length and token budget match share one batched forward pass.
         by_shape: dict[tuple[int, int], list[GroupRequest]] = defaultdict(list)

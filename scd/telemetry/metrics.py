@@ -6,7 +6,13 @@ one /metrics shows both.
 
 from __future__ import annotations
 
-from prometheus_client import Counter, Gauge, Histogram
+from collections.abc import Iterator
+
+from prometheus_client import REGISTRY, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from scd.skew import PromptFates
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
@@ -33,14 +39,56 @@ train_logprob_mismatch = Gauge(
     "Mean and max |trainer logprob - generation logprob| of the last step's on-policy tokens", ["stat"],
 )
 weight_sync = Histogram(
-    "scd_weight_sync_seconds", "Trainer weights to live in the generation backend, per step", buckets=_LATENCY_BUCKETS
+    "scd_weight_sync_seconds",
+    "Trainer weights to live in the generation backend, per sync, by the path that delivered them "
+    "(transfer, reload, in_process, none)", ["path"], buckets=_LATENCY_BUCKETS,
 )
+weight_sync_failures = Counter(
+    "scd_weight_sync_failures", "Weight-sync attempts that failed (then retried, or reloaded), by path", ["path"]
+)
+# ---- vLLM engines (scd.generation.vllm_backend) --------------------------------------------------
+engine_inflight_requests = Gauge("scd_engine_inflight_requests", "Requests each vLLM engine is generating now",
+                                 ["engine"])
+engine_generated_tokens = Counter("scd_engine_generated_tokens", "Tokens each vLLM engine generated", ["engine"])
+engine_requests = Counter("scd_engine_requests", "Requests (a group, or its missing siblings) sent to each vLLM engine",
+                          ["engine"])
 groups_redispatched = Counter(
     "scd_generation_groups_redispatched", "Groups generation gave back incomplete (aborted) and dispatched again"
 )
 loop_stall = Histogram(
     "scd_event_loop_stall_seconds", "How late the event loop woke a periodic probe",
     buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 5),
+)
+
+# ---- goodput: how busy generation is, its bound, what it throws away (scd.goodput) ---------------
+engine_busy_ratio = Gauge(
+    "scd_engine_busy_ratio",
+    "Share of wall time with at least one request in flight, per engine, over telemetry.goodput_window_s",
+    ["engine"],
+)
+engine_busy_bound = Gauge(
+    "scd_engine_busy_bound", "min(1, R_t / R_g): the most an engine can be busy without generating waste"
+)
+trainer_groups_per_second = Gauge(
+    "scd_trainer_groups_per_second", "R_t: groups the trainer takes per second of its own work (read, step, sync)"
+)
+generation_groups_per_second = Gauge(
+    "scd_generation_groups_per_second", "R_g: groups generation makes per busy second, summed over engines"
+)
+generation_waste_ratio = Gauge(
+    "scd_generation_waste_ratio",
+    "Tokens of groups dropped stale plus aborted partial tokens not reused, over tokens generated, in this run",
+)
+goodput_ratio = Gauge("scd_goodput_ratio", "Tokens trained over tokens generated, in this run")
+wasted_tokens = Counter(
+    "scd_generation_wasted_tokens", "Generated tokens thrown away, by why (stale_group, stale_sibling, aborted)",
+    ["reason"],
+)
+trained_tokens = Counter("scd_trained_tokens", "Completion tokens of the groups trained")
+buffer_capacity_groups = Gauge(
+    "scd_buffer_capacity_groups",
+    "Ready plus in-flight groups: the configured limit, what the staleness window can use, what admission allows",
+    ["limit"],
 )
 
 # ---- checkpointing ----------------------------------------------------------------------------
@@ -81,6 +129,9 @@ recovery_groups_evicted_stale = Gauge(
 recovery_prompts_redispatched = Gauge(
     "scd_recovery_prompts_redispatched", "In-flight prompts dispatched again at the last start"
 )
+recovery_stale_tokens = Gauge(
+    "scd_recovery_stale_tokens", "Tokens of restored groups and staged siblings already stale at the last start"
+)
 recovery_siblings_reused = Counter(
     "scd_recovery_siblings_reused", "Finished siblings of unfinished groups reused after a restart"
 )
@@ -103,3 +154,44 @@ owed_clear_failures = Counter(
     "scd_owed_clear_failures",
     "Owed TQ clears that failed when a save window closed; the keys stay owed and the next clear retries them",
 )
+
+# ---- experiment trackers (scd.telemetry.trackers) ----------------------------------------------
+tracker_errors = Counter(
+    "scd_tracker_errors", "Experiment trackers that raised and were disabled for the rest of the process", ["tracker"]
+)
+tracker_dropped = Counter(
+    "scd_tracker_dropped_records", "Event records a tracker's full queue dropped (the tracker fell behind)",
+    ["tracker"],
+)
+
+
+# ---- skew: prompts per bucket and fate (scd.skew) ----------------------------------------------
+class _PromptFatesCollector(Collector):
+    """``scd_prompts_total{bucket, fate}`` and ``scd_training_skew_tvd``, read from the run's counts at each
+    scrape: a restore continues the counts (they are part of the cut), which a counter of this process
+    alone could not show."""
+
+    def __init__(self) -> None:
+        self._fates: PromptFates | None = None
+
+    def follow(self, fates: PromptFates) -> None:
+        self._fates = fates
+
+    def collect(self) -> Iterator[Metric]:
+        prompts = CounterMetricFamily(
+            "scd_prompts", "Prompts per bucket by fate (admitted, trained, dropped_stale, evicted, redispatched, "
+            "lost_to_crash), across restarts", labels=["bucket", "fate"])
+        tvd = GaugeMetricFamily("scd_training_skew_tvd",
+                                "Total variation distance between admitted and trained prompts over buckets")
+        fates = self._fates
+        if fates is not None:
+            for bucket, by_fate in fates.counts().items():
+                for fate, n in by_fate.items():
+                    prompts.add_metric([bucket, fate], n)
+            tvd.add_metric([], fates.tvd())
+        yield prompts
+        yield tvd
+
+
+prompt_fates = _PromptFatesCollector()
+REGISTRY.register(prompt_fates)

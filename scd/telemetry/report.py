@@ -1,10 +1,13 @@
 """Offline report over scd's JSONL event log: PNG plots plus a fixed-width summary table.
 
 Reads the log that ``scd.telemetry.events.EventLog`` appends across restarts and draws, against
-wall-clock seconds since the first event, the reward, the training throughput, each checkpoint
-phase and each restore phase. Process starts and restores are drawn as dashed vertical lines on
-every plot, so the cost of a restart shows up where it happened. matplotlib is an optional extra
-(``scd[report]``) and is imported only when a report is written.
+wall-clock seconds since the first event, the reward, the training throughput, goodput (each
+engine's busy ratio against its bound, waste and goodput ratios), each checkpoint phase and each
+restore phase, and the skew (trained ÷ admitted prompts per bucket, and their distance). Process
+starts and restores are drawn as dashed vertical lines on every plot, so the cost of a restart
+shows up where it happened. ``goodput_totals`` sums goodput over every run in a
+log (a crash loop's waste). matplotlib is an optional extra (``scd[report]``) and is imported only
+when a report is written.
 """
 
 from __future__ import annotations
@@ -29,6 +32,9 @@ if TYPE_CHECKING:
 CHECKPOINT_PHASES = tuple(phase.value for phase in CheckpointPhase)
 RESTORE_PHASES = tuple(phase.value for phase in RestorePhase)
 RATE_FIELDS = ("committed_groups_per_s", "generated_tokens_per_s", "committed_tokens_per_s")
+# A train step's goodput ratios, and the counts since its run started that runs are summed from.
+GOODPUT_RATIOS = ("engine_busy_bound", "generation_waste_ratio", "goodput_ratio")
+GOODPUT_COUNTS = ("run_generated_tokens", "run_wasted_tokens", "run_trained_tokens")
 FINAL_REWARD_STEPS = 10
 RATE_WINDOW_STEPS = 10  # steps per minute over the last this-many train steps
 
@@ -44,6 +50,8 @@ class _TrainStep:
     step: int
     reward_mean: float
     rates: dict[str, float]
+    busy: dict[str, float]  # engine_busy_ratio by engine (empty in logs from before it)
+    goodput: dict[str, float]  # the GOODPUT_RATIOS and GOODPUT_COUNTS the step reported
 
 
 @dataclass(frozen=True)
@@ -58,6 +66,38 @@ class _Checkpoint:
 class _Restore:
     time: float
     phases: dict[str, float]
+    stale_groups: int
+    stale_tokens: int  # 0 in logs from before restores reported it
+
+
+@dataclass(frozen=True)
+class GoodputTotals:
+    """Goodput summed over every run in a log: each run's counts as of its last train step (what a
+    run did after it, up to a SIGKILL, is in neither count), plus what each restore threw away."""
+
+    runs: int
+    generated_tokens: int
+    wasted_tokens: int  # by the runs and by the restores
+    trained_tokens: int
+    restore_stale_groups: int
+    restore_stale_tokens: int
+
+    @property
+    def waste_ratio(self) -> float:
+        return self.wasted_tokens / self.generated_tokens if self.generated_tokens else 0.0
+
+    @property
+    def goodput_ratio(self) -> float:
+        return self.trained_tokens / self.generated_tokens if self.generated_tokens else 0.0
+
+
+@dataclass(frozen=True)
+class _Skew:
+    """What a train step reported of the skew (``scd.skew``): counts that a restore continues."""
+
+    time: float
+    tvd: float
+    trained_per_admitted: dict[str, float]  # by bucket
 
 
 @dataclass
@@ -69,6 +109,7 @@ class _Run:
     restores: list[_Restore] = field(default_factory=list)
     train_steps: list[_TrainStep] = field(default_factory=list)
     checkpoints: list[_Checkpoint] = field(default_factory=list)
+    skews: list[_Skew] = field(default_factory=list)  # train steps from before skew telemetry have none
 
     @property
     def t0(self) -> float:
@@ -91,11 +132,23 @@ class _Run:
         if kind == "start":
             self.starts.append(time)
         elif kind == "restore":
-            self.restores.append(_Restore(time, _phases(record)))
+            self.restores.append(_Restore(time, _phases(record), int(record.get("groups_evicted_stale") or 0),
+                                          int(record.get("stale_tokens") or 0)))
         elif kind == "train_step":
             rates = {name: _number(record, name) for name in RATE_FIELDS if record.get(name) is not None}
+            goodput = {name: _number(record, name) for name in (*GOODPUT_RATIOS, *GOODPUT_COUNTS)
+                       if record.get(name) is not None}
+            busy = record.get("engine_busy_ratio") or {}
+            if not isinstance(busy, dict):
+                raise ValueError(f"field 'engine_busy_ratio' is not an object: {busy!r}")
             self.train_steps.append(_TrainStep(time, int(_number(record, "step")), _number(record, "reward_mean"),
-                                               rates))
+                                               rates, {name: _number(busy, name) for name in busy}, goodput))
+            if record.get("training_skew_tvd") is not None:
+                ratios = record.get("trained_per_admitted") or {}
+                if not isinstance(ratios, dict):
+                    raise ValueError(f"field 'trained_per_admitted' is not an object: {ratios!r}")
+                self.skews.append(_Skew(time, _number(record, "training_skew_tvd"),
+                                        {bucket: _number(ratios, bucket) for bucket in ratios}))
         elif kind == "checkpoint":
             self.checkpoints.append(
                 _Checkpoint(time, _string(record, "outcome"), _string(record, "reason"), _phases(record)))
@@ -106,6 +159,7 @@ class _Run:
         self.restores.sort(key=by_time)
         self.train_steps.sort(key=by_time)
         self.checkpoints.sort(key=by_time)
+        self.skews.sort(key=by_time)
 
 
 def _number(record: dict[str, Any], key: str) -> float:
@@ -261,11 +315,52 @@ def _plot_restore_times(fig: Figure, run: _Run) -> None:
     _finish(ax, run, "Restore phases", "seconds", any(r.phases for r in run.restores))
 
 
+def _plot_goodput(fig: Figure, run: _Run) -> None:
+    fig.set_size_inches(11, 7.0)
+    busy_ax, ratio_ax = fig.subplots(2, 1, sharex=True)
+    steps = run.train_steps
+    for engine in sorted({name for s in steps for name in s.busy}):
+        points = [(s.time, s.busy[engine]) for s in steps if engine in s.busy]
+        busy_ax.plot(run.since_start([t for t, _ in points]), [v for _, v in points], ".-", markersize=3,
+                     label=f"engine {engine} busy")
+    for ax, names in ((busy_ax, ("engine_busy_bound",)), (ratio_ax, ("generation_waste_ratio", "goodput_ratio"))):
+        for name in names:
+            points = [(s.time, s.goodput[name]) for s in steps if name in s.goodput]
+            if points:
+                ax.plot(run.since_start([t for t, _ in points]), [v for _, v in points], ".-", markersize=3,
+                        label=name)
+        ax.set_ylim(-0.02, 1.05)
+    _finish(busy_ax, run, "Goodput: engine busy ratio and its bound", "share of wall time",
+            any(s.busy for s in steps))
+    _finish(ratio_ax, run, "Goodput: tokens wasted and trained, of tokens generated (per run)", "ratio",
+            any(s.goodput for s in steps))
+    busy_ax.set_xlabel("")
+
+
+def _plot_skew(fig: Figure, run: _Run) -> None:
+    """Trained ÷ admitted per bucket (a starved bucket falls below the others) and their distance."""
+    fig.set_size_inches(11, 7.0)
+    ratio_ax, tvd_ax = fig.subplots(2, 1, sharex=True)
+    times = run.since_start([s.time for s in run.skews])
+    for bucket in sorted({b for s in run.skews for b in s.trained_per_admitted}):
+        points = [(t, s.trained_per_admitted[bucket]) for t, s in zip(times, run.skews, strict=True)
+                  if bucket in s.trained_per_admitted]
+        ratio_ax.plot([t for t, _ in points], [v for _, v in points], ".-", markersize=3, label=bucket)
+    tvd_ax.plot(times, [s.tvd for s in run.skews], ".-", markersize=3, label="training_skew_tvd")
+    tvd_ax.set_ylim(-0.02, 1.02)
+    _finish(ratio_ax, run, "Skew: trained ÷ admitted prompts per bucket", "trained / admitted", bool(run.skews))
+    _finish(tvd_ax, run, "Skew: total variation distance, admitted vs trained over buckets", "TVD",
+            bool(run.skews))
+    ratio_ax.set_xlabel("")
+
+
 _PLOTS: tuple[tuple[str, Callable[[Figure, _Run], None]], ...] = (
     ("reward.png", _plot_reward),
     ("throughput.png", _plot_throughput),
+    ("goodput.png", _plot_goodput),
     ("checkpoint_phases.png", _plot_checkpoint_phases),
     ("restore_times.png", _plot_restore_times),
+    ("skew.png", _plot_skew),
 )
 
 
@@ -274,6 +369,53 @@ _PLOTS: tuple[tuple[str, Callable[[Figure, _Run], None]], ...] = (
 
 def _seconds(values: Sequence[float], reduce: Callable[[Sequence[float]], float]) -> str:
     return f"{reduce(values):.3f}" if values else "n/a"
+
+
+def _last_step_of_each_run(run: _Run) -> list[_TrainStep]:
+    """The last train step that reported goodput counts, for each run: a process start ends a run, and so
+    does a count that goes back (a process that ran the controller more than once)."""
+    last: list[_TrainStep] = []
+    current: _TrainStep | None = None
+    starts = iter(run.starts)
+    next_start = next(starts, None)
+    for step in (s for s in run.train_steps if "run_generated_tokens" in s.goodput):
+        while next_start is not None and next_start <= step.time:
+            last += [current] if current else []
+            current, next_start = None, next(starts, None)
+        if current and step.goodput["run_generated_tokens"] < current.goodput["run_generated_tokens"]:
+            last.append(current)
+        current = step
+    return [*last, current] if current else last
+
+
+def _totals(run: _Run) -> GoodputTotals:
+    last = _last_step_of_each_run(run)
+    restore_tokens = sum(r.stale_tokens for r in run.restores)
+    return GoodputTotals(
+        runs=len(last), generated_tokens=int(sum(s.goodput["run_generated_tokens"] for s in last)),
+        wasted_tokens=int(sum(s.goodput.get("run_wasted_tokens", 0) for s in last)) + restore_tokens,
+        trained_tokens=int(sum(s.goodput.get("run_trained_tokens", 0) for s in last)),
+        restore_stale_groups=sum(r.stale_groups for r in run.restores), restore_stale_tokens=restore_tokens,
+    )
+
+
+def goodput_totals(events_path: Path) -> GoodputTotals:
+    """Goodput summed over every run in the event log at ``events_path`` (``ScdError`` as ``write_report``)."""
+    return _totals(_load(Path(events_path)))
+
+
+def _goodput_rows(run: _Run) -> list[tuple[str, str]]:
+    last = run.train_steps[-1] if run.train_steps else None
+    rows = [(f"engine {engine} busy ratio (last step)", f"{ratio:.3f}")
+            for engine, ratio in sorted(last.busy.items())] if last else []
+    bound = last.goodput.get("engine_busy_bound") if last else None
+    totals = _totals(run)
+    measured = totals.generated_tokens > 0
+    return [*rows, ("engine busy bound (last step)", f"{bound:.3f}" if bound is not None else "n/a"),
+            ("generation waste ratio (all runs)", f"{totals.waste_ratio:.4f}" if measured else "n/a"),
+            ("goodput ratio (all runs)", f"{totals.goodput_ratio:.4f}" if measured else "n/a"),
+            ("restores: stale groups thrown away", str(totals.restore_stale_groups)),
+            ("restores: stale tokens thrown away", str(totals.restore_stale_tokens))]
 
 
 def _summary(path: Path, run: _Run) -> str:
@@ -299,6 +441,8 @@ def _summary(path: Path, run: _Run) -> str:
         ("checkpoint total mean (s)", _seconds(checkpoint_totals, fmean)),
         ("checkpoint total max (s)", _seconds(checkpoint_totals, max)),
         ("restore total mean (s)", _seconds(restore_totals, fmean)),
+        *_goodput_rows(run),
+        ("training skew TVD (last step)", f"{run.skews[-1].tvd:.4f}" if run.skews else "n/a"),
     ]
     width = max(len(label) for label, _ in rows)
     value_width = max(len(value) for _, value in rows)
@@ -309,7 +453,7 @@ def _summary(path: Path, run: _Run) -> str:
 
 
 def write_report(events_path: Path, out_dir: Path) -> str:
-    """Read the event log at ``events_path``, write the four PNG plots into ``out_dir``, return the summary.
+    """Read the event log at ``events_path``, write the PNG plots into ``out_dir``, return the summary.
 
     Raises ``ScdError`` for a missing or empty log, a line that is not JSON (naming file and line),
     or when matplotlib (the ``report`` extra) is not installed.

@@ -56,6 +56,11 @@ class GRPOTrainer:
         """A host-memory copy of the weights, safe to write or ship while training goes on."""
         return state_copy(self.model)
 
+    def live_weights(self) -> dict[str, torch.Tensor]:
+        """The model's own tensors, where they live (no copy): what a weight sync sends.  Valid until the
+        next optimizer step; a generation backend that keeps them past the sync must copy them."""
+        return self.model.state_dict()
+
     def state_copy(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         """Weights and optimizer state copied to host memory, for a checkpoint written while training goes on."""
         optimizer = self.optimizer.state_dict()

@@ -1,0 +1,334 @@
+"""Experiment trackers (TensorBoard, Weights & Biases, MLflow), fed from the event log, never on the event loop.
+
+``telemetry.trackers`` lists them.  Each gets the numbers of every ``train_step`` event (``train/...``:
+the same scalars, the skew figure included), and of ``checkpoint`` and ``restore`` events: outcomes
+(``checkpoint/completed`` = 1, ...), phases (``checkpoint/phases/tq_save``, ...) and recovery counts
+(``restore/groups_restored``, ...).  Two axes: the trainer step, and ``time/run_s``, the wall-clock seconds
+since the logical run first started, which go on across restarts (each tracker's own timestamp is the
+event's absolute time).  W&B plots everything against ``trainer/step``.
+
+Never on the event loop: the loop only puts a record on each tracker's bounded queue, and a thread per
+tracker does the rest.  A full queue drops the record and counts it (``scd_tracker_dropped_records_total``),
+so a slow or hung tracker never delays a pump.  A tracker that raises is disabled with one warning and
+counted (``scd_tracker_errors_total``); the run goes on.
+
+One logical run across restarts: its identity (``RunIdentity``) is part of every checkpoint cut.
+TensorBoard writes to ``<tensorboard.dir>/<run id>``, W&B resumes the run with that id, MLflow the run
+tagged ``scd.run_id`` with it.  A restore trains again the steps after its bundle's cut, which the trackers
+may already hold from before the crash: each tracker keeps the highest train step it logged, per run, in
+``<run.output_dir>/trackers/<name>.json``, written before the step is logged, so no tracker ever gets a
+train step twice (``events.jsonl`` keeps both).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import logging
+import math
+import os
+import queue
+import re
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import orjson
+
+from scd.config import MlflowConfig, TelemetryConfig, TensorBoardConfig, WandbConfig
+from scd.errors import ConfigError
+from scd.schema import RunIdentity
+from scd.telemetry import metrics
+
+log = logging.getLogger(__name__)
+
+STEP_KEY = "trainer/step"  # W&B's step axis (TensorBoard and MLflow have a step of their own)
+TIME_KEY = "time/run_s"
+MLFLOW_RUN_TAG = "scd.run_id"
+# Records a tracker may fall behind by before the loop drops them: minutes of steps at any real step rate.
+QUEUE_RECORDS = 4096
+CLOSE_TIMEOUT_S = 30.0  # a tracker still busy then is left behind (its thread is a daemon) with a warning
+
+# The import each tracker needs, checked before Ray starts.
+PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}
+# What each tracker's thread imports as it starts, while the controller starts and restores: a second of
+# Python holding the GIL that would otherwise land on the first train steps.
+_MODULES = {"tensorboard": "tensorboard.summary.writer.event_file_writer", "wandb": "wandb",
+            "mlflow": "mlflow.tracking"}
+# Events that reach trackers, and the prefix of their scalars.
+_PREFIXES = {"train_step": "train/", "checkpoint": "checkpoint/", "restore": "restore/"}
+_AXES = frozenset({"event", "time", "step"})
+
+
+def require_tracker_packages(telemetry: TelemetryConfig) -> None:
+    """Every listed tracker's package is importable; else a ``ConfigError`` naming the key and the extra."""
+    missing = [name for name in telemetry.trackers if importlib.util.find_spec(PACKAGES[name]) is None]
+    if missing:
+        raise ConfigError("telemetry.trackers", (
+            f"lists {', '.join(missing)}, whose package is not installed ({', '.join(PACKAGES[m] for m in missing)}): "
+            "pip install 'scd[trackers]', or remove it from the list"))
+
+
+@dataclass(frozen=True, slots=True)
+class TrackerPoint:
+    step: int
+    time: float  # the event's absolute wall-clock time
+    scalars: dict[str, float]
+    train: bool  # a train step: each tracker logs a step once per run
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def point_of(record: Mapping[str, Any], run: RunIdentity) -> TrackerPoint | None:
+    """The scalars of one event-log record, or None for an event trackers do not show.
+
+    Numbers and one level of nested numbers (phases, per-bucket ratios) become scalars; text and
+    lists do not, except a checkpoint's outcome, which becomes ``checkpoint/<outcome>`` = 1.
+    """
+    kind = record.get("event")
+    prefix = _PREFIXES.get(kind) if isinstance(kind, str) else None
+    # A scheduled checkpoint is not an outcome yet: its completed or failed record follows.
+    if prefix is None or (kind == "checkpoint" and record.get("outcome") == "scheduled"):
+        return None
+    at = float(record["time"])
+    scalars = {TIME_KEY: at - run.started_at}
+    if kind == "checkpoint":
+        scalars[f"checkpoint/{record['outcome']}"] = 1.0
+    for key, value in record.items():
+        if key in _AXES:
+            continue
+        if _is_number(value):
+            scalars[prefix + key] = float(value)
+        elif isinstance(value, Mapping):
+            scalars.update((f"{prefix}{key}/{inner}", float(v)) for inner, v in value.items() if _is_number(v))
+    return TrackerPoint(int(record["step"]), at, scalars, kind == "train_step")
+
+
+class Tracker(Protocol):
+    def log(self, point: TrackerPoint) -> None: ...
+
+    def flush(self) -> None:
+        """Make what was logged durable (called when the queue runs empty)."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class TensorBoardTracker:
+    def __init__(self, config: TensorBoardConfig, run: RunIdentity) -> None:
+        from tensorboard.compat.proto.event_pb2 import Event
+        from tensorboard.compat.proto.summary_pb2 import Summary
+        from tensorboard.summary.writer.event_file_writer import EventFileWriter
+
+        self._event, self._summary = Event, Summary
+        # Each process adds an event file to the run's directory: TensorBoard reads them as one run.
+        self._writer = EventFileWriter(str(Path(config.dir) / run.run_id))
+
+    def log(self, point: TrackerPoint) -> None:
+        # One event carries every scalar of the point: an event per scalar costs about 8x the CPU.
+        values = [self._summary.Value(tag=key, simple_value=value) for key, value in point.scalars.items()]
+        self._writer.add_event(self._event(wall_time=point.time, step=point.step, summary=self._summary(value=values)))
+
+    def flush(self) -> None:
+        self._writer.flush()
+
+    def close(self) -> None:
+        self._writer.close()
+
+
+class WandbTracker:
+    def __init__(self, config: WandbConfig, run: RunIdentity) -> None:
+        import wandb
+
+        # console="off": W&B would otherwise wrap this process's stdout and stderr.
+        self._run = wandb.init(project=config.project, id=run.run_id, resume="allow", mode=config.mode,
+                               dir=config.dir, settings=wandb.Settings(console="off", disable_git=True, silent=True))
+        # W&B's own step counts log calls, which restart with each process; the trainer step is the axis.
+        self._run.define_metric(STEP_KEY)
+        self._run.define_metric(TIME_KEY)
+        self._run.define_metric("*", step_metric=STEP_KEY)
+
+    def log(self, point: TrackerPoint) -> None:
+        self._run.log({STEP_KEY: point.step, **point.scalars})
+
+    def flush(self) -> None:
+        """W&B's own service writes and uploads in the background."""
+
+    def close(self) -> None:
+        self._run.finish()
+
+
+_MLFLOW_UNSAFE = re.compile(r"[^\w\-. /:]")  # what MLflow refuses in a metric name
+
+
+class MlflowTracker:
+    def __init__(self, config: MlflowConfig, run: RunIdentity) -> None:
+        from mlflow.entities import Metric
+        from mlflow.tracking import MlflowClient
+
+        self._metric = Metric
+        self._client = MlflowClient(tracking_uri=config.tracking_uri)
+        experiment = self._client.get_experiment_by_name(config.experiment)
+        experiment_id = (experiment.experiment_id if experiment is not None
+                         else self._client.create_experiment(config.experiment))
+        found = self._client.search_runs([experiment_id], filter_string=f"tags.`{MLFLOW_RUN_TAG}` = '{run.run_id}'",
+                                         max_results=1)
+        if found:
+            self._run_id = found[0].info.run_id
+            self._client.update_run(self._run_id, status="RUNNING")
+        else:
+            self._run_id = self._client.create_run(experiment_id, tags={MLFLOW_RUN_TAG: run.run_id},
+                                                   run_name=f"scd-{run.run_id}").info.run_id
+
+    def log(self, point: TrackerPoint) -> None:
+        at_ms = int(point.time * 1000)
+        batch = [self._metric(_MLFLOW_UNSAFE.sub("_", key), value, at_ms, point.step)
+                 for key, value in point.scalars.items()]
+        self._client.log_batch(self._run_id, metrics=batch)
+
+    def flush(self) -> None:
+        """Every ``log_batch`` is written when it returns."""
+
+    def close(self) -> None:
+        self._client.set_terminated(self._run_id, "FINISHED")
+
+
+def open_tracker(name: str, telemetry: TelemetryConfig, run: RunIdentity) -> Tracker:
+    """Blocking (W&B starts its service, MLflow searches its runs): called in the tracker's thread."""
+    if name == "tensorboard":
+        return TensorBoardTracker(telemetry.tensorboard, run)
+    if name == "wandb":
+        return WandbTracker(telemetry.wandb, run)
+    return MlflowTracker(telemetry.mlflow, run)
+
+
+class StepMark:
+    """The highest train step one tracker logged in one run, kept across restarts."""
+
+    def __init__(self, path: Path, run_id: str) -> None:
+        self._path, self._run_id = path, run_id
+        self.step = self._read()
+        path.parent.mkdir(parents=True, exist_ok=True)
+
+    def _read(self) -> int:
+        try:
+            saved = orjson.loads(self._path.read_bytes())
+            return int(saved["step"]) if saved.get("run_id") == self._run_id else 0
+        except FileNotFoundError:
+            return 0
+        except (orjson.JSONDecodeError, AttributeError, KeyError, TypeError, ValueError):
+            log.warning("%s is not a tracker step mark: the tracker may get train steps it already holds",
+                        self._path)
+            return 0
+
+    def advance(self, step: int) -> None:
+        self.step = step
+        tmp = self._path.with_suffix(".tmp")
+        tmp.write_bytes(orjson.dumps({"run_id": self._run_id, "step": step}))
+        os.replace(tmp, self._path)
+
+
+class TrackerWorker:
+    """One tracker in a thread of its own, fed through a bounded queue that drops rather than blocks."""
+
+    def __init__(self, name: str, opener: Callable[[RunIdentity], Tracker], run_of: Callable[[], RunIdentity],
+                 mark_dir: Path) -> None:
+        self.name = name
+        self._opener, self._run_of, self._mark_dir = opener, run_of, mark_dir
+        self._queue: queue.Queue[Mapping[str, Any] | None] = queue.Queue(QUEUE_RECORDS)
+        self._failed = False
+        metrics.tracker_errors.labels(name)
+        metrics.tracker_dropped.labels(name)
+        self._thread = threading.Thread(target=self._serve, name=f"scd-tracker-{name}", daemon=True)
+        self._thread.start()
+
+    def offer(self, record: Mapping[str, Any]) -> None:
+        """On the event loop: never blocks."""
+        if self._failed:
+            return
+        try:
+            self._queue.put_nowait(record)
+        except queue.Full:
+            metrics.tracker_dropped.labels(self.name).inc()
+
+    def _serve(self) -> None:
+        opened: tuple[Tracker, StepMark, RunIdentity] | None = None
+        try:
+            importlib.import_module(_MODULES[self.name])
+            while (record := self._queue.get()) is not None:
+                # The run's identity is read at the first record the tracker shows, not before: by then a
+                # restore has put it back.
+                run = opened[2] if opened is not None else self._run_of()
+                point = point_of(record, run)
+                if point is None:
+                    continue
+                if opened is None:
+                    opened = (self._opener(run), StepMark(self._mark_dir / f"{self.name}.json", run.run_id), run)
+                tracker, mark, _ = opened
+                if point.train:
+                    if point.step <= mark.step:
+                        continue  # logged before a crash, trained again after the restore
+                    mark.advance(point.step)
+                tracker.log(point)
+                if self._queue.empty():
+                    tracker.flush()
+            if opened is not None:
+                opened[0].close()
+        except Exception as exc:
+            self._fail(exc, opened[0] if opened is not None else None)
+
+    def _fail(self, exc: Exception, tracker: Tracker | None) -> None:
+        self._failed = True
+        metrics.tracker_errors.labels(self.name).inc()
+        log.warning("experiment tracker %s raised %r: disabled for the rest of this process; training goes on",
+                    self.name, exc, exc_info=exc)
+        if tracker is not None:
+            try:
+                tracker.close()
+            except Exception as close_error:
+                log.debug("closing the failed tracker %s raised too: %r", self.name, close_error)
+
+    def stop(self) -> None:
+        """Ask the thread to log what is queued, then close its tracker."""
+        if self._failed:
+            return
+        try:
+            self._queue.put(None, timeout=1.0)
+        except queue.Full:
+            log.warning("experiment tracker %s is %d records behind at exit", self.name, self._queue.qsize())
+
+    def join(self, timeout: float) -> bool:
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+
+class TrackerHub:
+    """Every listed tracker's worker.  ``offer`` is the event log's hand-off (on the loop, non-blocking);
+    ``close`` waits for the workers, bounded, off the loop."""
+
+    def __init__(self, telemetry: TelemetryConfig, output_dir: Path, run_of: Callable[[], RunIdentity]) -> None:
+        require_tracker_packages(telemetry)
+        if "mlflow" in telemetry.trackers and telemetry.mlflow.tracking_uri.startswith("file:"):
+            # MLflow 3 refuses its file store unless told it is wanted: it is this setting's default.
+            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+        self.workers = [TrackerWorker(name, functools.partial(open_tracker, name, telemetry), run_of,
+                                      output_dir / "trackers") for name in telemetry.trackers]
+
+    def offer(self, record: Mapping[str, Any]) -> None:
+        for worker in self.workers:
+            worker.offer(record)
+
+    def close(self) -> None:
+        for worker in self.workers:
+            worker.stop()
+        timeout_s = CLOSE_TIMEOUT_S
+        deadline = time.monotonic() + timeout_s
+        for worker in self.workers:
+            if not worker.join(max(0.0, deadline - time.monotonic())):
+                log.warning("experiment tracker %s did not finish within %.0fs: its last records may be lost",
+                            worker.name, timeout_s)
