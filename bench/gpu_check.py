@@ -64,6 +64,10 @@ groups_per_step = 16
 [async_rl]
 buffer_capacity_groups = "auto"
 
+[async_rl.sampler]
+# Every trained row was sampled by the weights being trained: each step measures the logprob agreement.
+max_staleness_versions = 0
+
 [checkpointing]
 enabled = true
 interval_s = 3600

@@ -15,6 +15,7 @@ import statistics
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from tempfile import TemporaryDirectory
 from typing import Any
@@ -136,9 +137,15 @@ async def overhead(tmp: Path, steps: int = 150, pairs: int = 4) -> dict[str, flo
     }
 
 
-async def one_run_steps_per_s(config: Config, steps: int, warmup: int) -> tuple[float, float]:
-    """(trainer steps/s over ``steps`` steps after ``warmup``, from the event log's step times; loop stall
-    p99 in ms), from one uninterrupted run."""
+@dataclass(frozen=True)
+class StepRate:
+    steps_per_s: float
+    loop_stall_p99_ms: float
+
+
+async def step_rate(config: Config, steps: int, warmup: int) -> StepRate:
+    """Trainer steps/s over ``steps`` steps after ``warmup`` (the event log's step times), and the loop
+    stall p99, from one uninterrupted run."""
     await clear(config.data_plane.partition)
     stalls: list[float] = []
 
@@ -154,10 +161,10 @@ async def one_run_steps_per_s(config: Config, steps: int, warmup: int) -> tuple[
         tg.cancel_scope.cancel()
     at = {e["step"]: e["time"] for e in map(orjson.loads, Path(config.telemetry.events_path).read_bytes().splitlines())
           if e["event"] == "train_step"}
-    return steps / (at[warmup + steps] - at[warmup]), 1000 * percentile(stalls, 0.99)
+    return StepRate(steps / (at[warmup + steps] - at[warmup]), 1000 * percentile(stalls, 0.99))
 
 
-async def trackers_overhead(tmp: Path, steps: int = 150, pairs: int = 4) -> dict[str, float]:
+async def trackers_overhead(tmp: Path, steps: int = 150, pairs: int = 8) -> dict[str, float]:
     """Trainer steps/s with TensorBoard, W&B (offline) and MLflow (a file store) all on, over all off.
 
     Off and on alternate (off, on, off, on, ...), the same seeded run each; the ratio is the median of the
@@ -166,19 +173,17 @@ async def trackers_overhead(tmp: Path, steps: int = 150, pairs: int = 4) -> dict
     service then): the warm-up's 30 steps cover that, so the figure is the steady state.
     """
     on = {"telemetry": {"trackers": ["tensorboard", "wandb", "mlflow"], "wandb": {"mode": "offline"}}}
-    ratios, stalls_on, stalls_off = [], [], []
+    offs, ons = [], []
     for pair in range(pairs):
-        off_rate, off_stall = await one_run_steps_per_s(tiny(tmp / f"trackers-off{pair}"), steps, warmup=30)
-        on_rate, on_stall = await one_run_steps_per_s(tiny(tmp / f"trackers-on{pair}", **on), steps, warmup=30)
-        ratios.append(on_rate / off_rate)
-        stalls_on.append(on_stall)
-        stalls_off.append(off_stall)
+        offs.append(await step_rate(tiny(tmp / f"trackers-off{pair}"), steps, warmup=30))
+        ons.append(await step_rate(tiny(tmp / f"trackers-on{pair}", **on), steps, warmup=30))
+    ratios = [on_run.steps_per_s / off_run.steps_per_s for off_run, on_run in zip(offs, ons, strict=True)]
     return {
         "trackers_overhead_ratio": statistics.median(ratios),
         "trackers_overhead_ratio_spread": max(ratios) - min(ratios),
         "trackers_overhead_pairs": pairs,
-        "trackers_loop_stall_p99_ms": statistics.median(stalls_on),
-        "trackers_off_loop_stall_p99_ms": statistics.median(stalls_off),
+        "trackers_loop_stall_p99_ms": statistics.median(r.loop_stall_p99_ms for r in ons),
+        "trackers_off_loop_stall_p99_ms": statistics.median(r.loop_stall_p99_ms for r in offs),
     }
 
 

@@ -222,7 +222,7 @@ class Rollouts:
         """Record a request's complete siblings; a group with all of them goes to the committer.
 
         Returns False when the group needs another attempt.  Once the committer has stopped (the
-        run is ending) a complete group stays in flight, its siblings in memory, like ``on_sibling``'s.
+        run is ending) a complete group waits, in flight, for the next run's committer.
         """
         request = result.request
         finished = self._finished.setdefault(request.group_id, {})
@@ -233,15 +233,15 @@ class Rollouts:
                 self._waste(WasteReason.ABORTED, len(completion.token_ids))
         if len(finished) < self._group_size:
             return False
-        if self._to_commit is None:
-            return True
         del self._finished[request.group_id]
-        # Generation is done with it: its slot goes to the next prompt, even while commits wait on a TQ save.
         complete = GroupResult(replace(request, siblings=tuple(range(self._group_size))),
                                [finished[i] for i in range(self._group_size)], result.end_weight_version)
+        # Generation is done with it: its slot goes to the next prompt, even while commits wait on a TQ save.
         self._awaiting[request.group_id] = complete
         self._on_change()
-        self._to_commit.send_nowait(complete)
+        if self._to_commit is not None:
+            self._to_commit.send_nowait(complete)
+        return True
         return True
 
     async def redispatch_aborted(self, result: GroupResult) -> GroupRequest:

@@ -250,7 +250,9 @@ async def test_a_hung_tracker_never_delays_a_pump(tmp_path: Path, partition: str
         assert time.monotonic() - started < 60
         assert controller.state.trainer_step == 10
         assert counter("scd_tracker_dropped_records_total", tracker="tensorboard") >= dropped + 5
-        assert max(stalls) < 0.5
+        # The tracker hangs for the whole run; the loop never waits on it (the bound leaves room for a
+        # loaded 2-core box).
+        assert max(stalls) < 2.0, max(stalls)
     finally:
         release.set()
 

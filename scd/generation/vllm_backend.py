@@ -131,6 +131,10 @@ class _Engine:
         self.outstanding_tokens = 0  # token budget of its requests not generated yet: what routing balances
         self.generated_tokens = 0
         self.busy = BusyClock()
+        # Every engine's series exist from its start, at zero.
+        metrics.engine_inflight_requests.labels(self.label).set(0)
+        metrics.engine_generated_tokens.labels(self.label)
+        metrics.engine_requests.labels(self.label)
 
     def died(self) -> bool:
         return bool(self.llm.errored)
