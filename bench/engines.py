@@ -22,15 +22,14 @@ from pathlib import Path
 from tempfile import TemporaryDirectory
 
 import anyio
-import orjson
 import torch
 
+from bench.summary import merge_and_print
 from scd.config import derive_config
 from scd.training.init_tiny import TinyLlamaShape, init_tiny
 from scd.training.policy import HFPolicy
 
 REPO = Path(__file__).resolve().parents[1]
-RESULTS = REPO / "bench" / "results"
 SYNCS = 7
 MODELS = {"tiny": TinyLlamaShape(), "34m": TinyLlamaShape(hidden_size=1024, num_layers=2, num_heads=32)}
 GOALS = {"weight_sync_transfer_vs_reload_34m": ("<=", 0.9)}
@@ -88,16 +87,7 @@ async def main() -> None:
     finally:
         tq.close()
         ray.shutdown()
-    path = RESULTS / "summary.json"
-    merged = orjson.loads(path.read_bytes()) if path.exists() else {}
-    merged |= summary
-    path.write_bytes(orjson.dumps(merged, option=orjson.OPT_INDENT_2))
-    for key, value in summary.items():
-        mark = ""
-        if key in GOALS:
-            op, bound = GOALS[key]
-            mark = f"{op} {bound:g}  {'met' if (value >= bound if op == '>=' else value <= bound) else 'MISSED'}"
-        print(f"{key:52s} {value:14.4f}  {mark}")
+    merge_and_print(summary, GOALS)
 
 
 if __name__ == "__main__":

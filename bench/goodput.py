@@ -30,8 +30,8 @@ from tempfile import TemporaryDirectory
 from typing import Any
 
 import anyio
-import orjson
 
+from bench.summary import merge_and_print
 from scd.checkpoint import layout
 from scd.config import Config
 from scd.daemon import Controller
@@ -39,7 +39,6 @@ from scd.dataplane import DataPlane
 from scd.telemetry.report import goodput_totals
 
 REPO = Path(__file__).resolve().parents[1]
-RESULTS = REPO / "bench" / "results"
 GOALS = {
     **{f"goodput_{regime}_busy_vs_bound": (">=", 0.95) for regime in ("generation_bound", "train_bound")},
     **{f"goodput_{regime}_waste_ratio": ("<=", 0.01) for regime in ("generation_bound", "train_bound")},
@@ -220,16 +219,7 @@ async def main() -> None:
     finally:
         tq.close()
         ray.shutdown()
-    path = RESULTS / "summary.json"
-    merged = orjson.loads(path.read_bytes()) if path.exists() else {}
-    merged |= summary
-    path.write_bytes(orjson.dumps(merged, option=orjson.OPT_INDENT_2))
-    for key, value in summary.items():
-        mark = ""
-        if key in GOALS:
-            op, bound = GOALS[key]
-            mark = f"{op} {bound:g}  {'met' if (value >= bound if op == '>=' else value <= bound) else 'MISSED'}"
-        print(f"{key:52s} {value:14.4f}  {mark}")
+    merge_and_print(summary, GOALS)
 
 
 if __name__ == "__main__":

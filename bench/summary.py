@@ -1,0 +1,23 @@
+"""Writing a partial bench run's figures into bench/results/summary.json and printing them against goals."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import orjson
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def merge_and_print(summary: dict[str, float], goals: dict[str, tuple[str, float]]) -> None:
+    """Add ``summary``'s keys to the committed summary (every other key kept) and print each against its goal."""
+    path = RESULTS / "summary.json"
+    merged = orjson.loads(path.read_bytes()) if path.exists() else {}
+    merged |= summary
+    path.write_bytes(orjson.dumps(merged, option=orjson.OPT_INDENT_2))
+    for key, value in summary.items():
+        mark = ""
+        if key in goals:
+            op, bound = goals[key]
+            mark = f"{op} {bound:g}  {'met' if (value >= bound if op == '>=' else value <= bound) else 'MISSED'}"
+        print(f"{key:52s} {value:14.4f}  {mark}")
