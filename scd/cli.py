@@ -20,6 +20,7 @@ from scd.daemon import Controller, Triggers
 from scd.errors import EXIT_CONFIG, EXIT_INVARIANT, EXIT_OK, EXIT_OTHER, ScdError
 from scd.generation.devices import plan_engine_devices
 from scd.samplers import build_sampler
+from scd.telemetry.http import open_listener
 from scd.telemetry.trackers import require_tracker_packages
 
 log = logging.getLogger("scd")
@@ -43,8 +44,9 @@ async def run_daemon(config: Config, args: argparse.Namespace) -> None:
     async with anyio.create_task_group() as tg:
         # Signals are handled from the first moment: a SIGTERM during a long restore still drains.
         await tg.start(handle_signals, triggers, name="signals")
+        listener = await open_listener(config.telemetry.metrics_host, config.telemetry.metrics_port)
         async with Controller.open(config) as controller, anyio.create_task_group() as http:
-            controller.metrics_port = await http.start(controller.serve_http, name="http")
+            controller.metrics_port = await http.start(controller.serve_http, listener, name="http")
             placement = controller.dataplane.placement
             await controller.events.emit("start", controller.state.trainer_step, pid=os.getpid(),
                                          tq_controller_node=placement.controller,

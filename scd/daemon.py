@@ -34,6 +34,7 @@ from pathlib import Path
 
 import anyio
 import torch
+from anyio.abc import SocketListener
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from scd import faults, systemd
@@ -158,11 +159,11 @@ class Controller:
 
     # ---- observation -------------------------------------------------------------------------
 
-    async def serve_http(self, *, task_status: anyio.abc.TaskStatus[int] = anyio.TASK_STATUS_IGNORED) -> None:
-        """/metrics, /healthz and /readyz; start it before the restore so both are visible during it."""
-        telemetry = self.config.telemetry
-        await serve_http(telemetry.metrics_host, telemetry.metrics_port, self.health_problem, lambda: self.ready,
-                         task_status=task_status)
+    async def serve_http(self, listener: SocketListener, *,
+                         task_status: anyio.abc.TaskStatus[int] = anyio.TASK_STATUS_IGNORED) -> None:
+        """/metrics, /healthz and /readyz on ``listener`` (``open_listener``); start it before the
+        restore so both are visible during it."""
+        await serve_http(listener, self.health_problem, lambda: self.ready, task_status=task_status)
 
     def health_problem(self) -> str:
         """Why the process is unhealthy, or "" when it is not."""

@@ -49,7 +49,7 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from concurrent.futures import Future
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -252,11 +252,10 @@ class DataPlane:
                 if embedded is not None:
                     await embedded.stop(config.call_timeout_s)
 
-    async def _call(self, what: str, fn: Callable[[], Any]) -> Any:
+    async def _call(self, what: str, fn: Callable[[], Awaitable[T]]) -> T:
         self.data_ops += 1
         try:
-            with anyio.fail_after(self.config.call_timeout_s):
-                result = await fn()
+            result = await call_within(self.config.call_timeout_s, fn)
         except TimeoutError:
             self.last_call_timed_out = True
             raise DataPlaneError(f"TransferQueue {what} timed out after {self.config.call_timeout_s}s; "
@@ -532,6 +531,27 @@ def _write_probe_task() -> Any:
             os.fsync(f.fileno())
 
     return write_probe
+
+
+async def call_within(timeout_s: float, fn: Callable[[], Awaitable[T]]) -> T:
+    """``await fn()``, or TimeoutError once ``timeout_s`` has passed.
+
+    Unlike ``anyio.fail_after``, a deadline that fired is a timeout whatever the error it
+    produced looks like.  TQ fans a call out to its storage units with ``asyncio.gather``, and
+    on Python 3.11 a cancelled gather raises a CancelledError built from its *last* child: one
+    without anyio's cancel-scope message when that child had already finished (a unit that
+    answered or failed while another hung).  anyio cannot then tell its own deadline from a
+    foreign cancellation and lets the bare CancelledError escape.  Converting it is safe:
+    a cancellation of an enclosing scope is level-triggered and lands again at the next await.
+    """
+    deadline = anyio.CancelScope(deadline=anyio.current_time() + timeout_s)
+    try:
+        with deadline:
+            return await fn()
+    except anyio.get_cancelled_exc_class():
+        if not deadline.cancel_called:
+            raise
+    raise TimeoutError(f"no answer within {timeout_s}s")
 
 
 async def _bounded_thread(timeout_s: float, what: str, fn: Callable[[], T], swallow: bool = False) -> T | None:

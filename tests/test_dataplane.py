@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
+import anyio
 import pytest
 import torch
 
 from scd.config import DataPlaneConfig
-from scd.dataplane import DataPlane
+from scd.dataplane import DataPlane, call_within
 from scd.errors import ConfigError, DataPlaneError
 from scd.records import Rollout
 
@@ -106,3 +108,32 @@ async def test_attaching_to_a_tq_of_another_layout_names_the_key_and_placement_i
     with pytest.raises(ConfigError, match=r"'data_plane\.required_node_resource'"):
         async with DataPlane.open(DataPlaneConfig(partition="attach", required_node_resource="tq_storage")):
             pass
+
+
+async def fan_out_with_one_unit_hung() -> list[object]:
+    """TQ's shape of a call: a gather over storage units, where the last unit answered and another hangs."""
+    async def hung() -> None:
+        await asyncio.Event().wait()
+
+    async def answered() -> str:
+        return "ok"
+
+    return await asyncio.gather(asyncio.ensure_future(hung()), asyncio.ensure_future(answered()),
+                                return_exceptions=True)
+
+
+async def test_a_deadline_inside_a_gather_is_a_timeout_though_python_drops_anyio_s_cancel_message() -> None:
+    # The trap: fail_after lets a bare CancelledError escape instead of raising TimeoutError.
+    with pytest.raises(asyncio.CancelledError):
+        with anyio.fail_after(0.1):
+            await fan_out_with_one_unit_hung()
+    with pytest.raises(TimeoutError):
+        await call_within(0.1, fan_out_with_one_unit_hung)
+    assert await call_within(5, lambda: asyncio.sleep(0, result="answer")) == "answer"
+
+
+async def test_a_cancelled_caller_is_cancelled_not_timed_out() -> None:
+    with anyio.CancelScope() as outer:
+        outer.cancel()
+        await call_within(5, fan_out_with_one_unit_hung)
+    assert outer.cancelled_caught

@@ -32,10 +32,17 @@ def metric(text: str, name: str) -> float:
 
 def test_run_reaches_max_steps_with_metrics(tmp_path: Path, scd_processes: list[ScdProcess]) -> None:
     port = free_port()
-    scd = ScdProcess(write_config(tmp_path, max_steps=400, port=port), "--max-steps", "40")
+    config = write_config(tmp_path, max_steps=400, port=port)
+    scd = ScdProcess(config, "--max-steps", "40")
     scd_processes.append(scd)
     scd.wait_for_line("step 5 ")
     assert scrape(port, "/healthz") == "ok\n"
+    # A second scd on the same port stops before Ray starts, naming the key.
+    second = ScdProcess(config, "--max-steps", "40")
+    scd_processes.append(second)
+    assert second.wait(timeout=60) == 2, second.output()[-3000:]
+    assert "telemetry.metrics_port" in second.output() and f"127.0.0.1:{port}" in second.output()
+    assert "Ray" not in second.output() and "Traceback" not in second.output()
     text = scrape(port)
     assert metric(text, "scd_trainer_step") >= 5
     assert metric(text, "scd_weight_version") >= 5

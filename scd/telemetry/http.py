@@ -10,8 +10,10 @@ import logging
 from collections.abc import Callable
 
 import anyio
-from anyio.abc import SocketStream, TaskStatus
+from anyio.abc import SocketListener, SocketStream, TaskStatus
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
+
+from scd.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -22,13 +24,26 @@ def _response(status: str, content_type: str, body: bytes) -> bytes:
     return head.encode() + body
 
 
+async def open_listener(host: str, port: int) -> SocketListener:
+    """Bind ``host:port`` (0 = any free port).
+
+    The daemon binds before Ray or an engine starts: their processes take free ports of
+    their own, so a port bound later may be gone by then.
+    """
+    try:
+        return await anyio.create_tcp_listener(local_host=host, local_port=port, reuse_port=False)
+    except OSError as exc:
+        raise ConfigError("telemetry.metrics_port",
+                          f"cannot listen on {host}:{port} ({exc.strerror or exc}); is another scd or "
+                          "another program using it? Pick another port, or 0 for any free one") from None
+
+
 async def serve_http(
-    host: str, port: int, health_problem: Callable[[], str], ready: Callable[[], bool], *,
+    listener: SocketListener, health_problem: Callable[[], str], ready: Callable[[], bool], *,
     task_status: TaskStatus[int] = anyio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Serve until cancelled; reports the bound port through ``task_status``."""
-    listener = await anyio.create_tcp_listener(local_host=host, local_port=port, reuse_port=False)
-    bound = listener.extra(anyio.abc.SocketAttribute.local_port)
+    """Serve on ``listener`` until cancelled; reports its port through ``task_status``."""
+    host, bound = listener.extra(anyio.abc.SocketAttribute.local_address)[:2]
     log.info("metrics on http://%s:%d/metrics", host, bound)
     task_status.started(bound)
 
