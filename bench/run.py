@@ -37,6 +37,7 @@ from scd.generation.base import GroupResult
 from scd.records import Completion, FinishReason
 from scd.schema import Trigger
 from scd.tasks import build_task
+from scd.training.grpo import GRPOTrainer
 from scd.training.policy import build_policy
 
 REPO = Path(__file__).resolve().parents[1]
@@ -449,7 +450,8 @@ async def commit_path(tmp: Path, groups: int = 20_000) -> dict[str, float]:
     """Admit + commit + consume through barrier, index and ledger, with TQ taken out."""
     config = tiny(tmp / "commit", async_rl={"buffer_capacity_groups": groups + 64}, task={"size": groups})
     policy = build_policy(config.model, config.run.seed)
-    controller = Controller(config, _NoDataPlane(), None, policy, build_task(config.task))  # type: ignore[arg-type]
+    controller = Controller(config, _NoDataPlane(), None, policy, build_task(config.task),  # type: ignore[arg-type]
+                            GRPOTrainer(config, policy))
     started = time.monotonic()
     for _ in range(groups):
         request = await controller.rollouts.admit()

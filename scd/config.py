@@ -140,6 +140,19 @@ class TrainerConfig(_Section):
     entropy_coef: float = 0.0
     advantage_eps: float = 1e-4
     torch_threads: int = 1
+    # Ranks of the trainer.  1 trains in scd's own process; N > 1 trains on N Ray actors sharded
+    # with FSDP2 (gloo on CPU, NCCL on CUDA), each training whole groups of a step.
+    world_size: int = 1
+    # Ray resources each rank asks for; empty: one GPU per rank on CUDA, one CPU otherwise.
+    resources_per_rank: dict[str, float] = msgspec.field(default_factory=dict)
+    # How long the ranks' placement group may wait for the cluster to have room.
+    placement_timeout_s: float = 120.0
+    # FSDP2 mixed precision (CUDA only): the dtype ranks compute in and the one gradients are reduced
+    # in ("" = the model's own).  bf16 params with fp32 reduce is the usual choice.
+    param_dtype: Literal["", "float32", "bfloat16", "float16"] = ""
+    reduce_dtype: Literal["", "float32", "bfloat16", "float16"] = ""
+    # Recompute each decoder layer's activations in the backward pass (ranks only): memory for time.
+    activation_checkpointing: bool = False
 
 
 class TaskConfig(_Section):
@@ -226,6 +239,11 @@ class Config(_Section):
     async_rl: AsyncRLConfig = msgspec.field(default_factory=AsyncRLConfig)
     checkpointing: CheckpointingConfig = msgspec.field(default_factory=CheckpointingConfig)
     telemetry: TelemetryConfig = msgspec.field(default_factory=TelemetryConfig)
+
+    def trainer_rank_resources(self) -> dict[str, float]:
+        """What each trainer rank asks Ray for: ``trainer.resources_per_rank``, or one device of its kind."""
+        tr = self.trainer
+        return dict(tr.resources_per_rank) or ({"GPU": 1.0} if tr.device.startswith("cuda") else {"CPU": 1.0})
 
     def window_capacity_groups(self) -> int:
         """Groups a train step can still take from those admitted now before they leave the staleness
@@ -379,10 +397,12 @@ def validate(config: Config) -> None:
     _require(bool(dp.partition) and "/" not in dp.partition, "data_plane.partition",
              "must be a non-empty name without '/'")
     if not dp.ray.address:
-        needed = 1 + dp.storage_units
+        rank_cpus = config.trainer_rank_resources().get("CPU", 0) * tr.world_size if tr.world_size > 1 else 0
+        needed = 1 + dp.storage_units + rank_cpus
         _require(dp.ray.num_cpus >= needed, "data_plane.ray.num_cpus",
                  f"TransferQueue's controller and {dp.storage_units} storage unit(s) each need one "
-                 f"logical Ray CPU: set it to at least {needed}, got {dp.ray.num_cpus}")
+                 f"logical Ray CPU" + (f", the {tr.world_size} trainer ranks {rank_cpus:g}" if rank_cpus else "")
+                 + f": set it to at least {needed:g}, got {dp.ray.num_cpus}")
     _require(gen.group_size >= 2, "generation.group_size",
              f"GRPO needs at least 2 completions per prompt, got {gen.group_size}")
     _require(gen.max_new_tokens >= 1, "generation.max_new_tokens", "must be >= 1")
@@ -421,6 +441,19 @@ def validate(config: Config) -> None:
     _require(tr.groups_per_step >= 1, "trainer.groups_per_step", "must be >= 1")
     _require(0 < tr.clip_eps < 1, "trainer.clip_eps", f"must be in (0, 1), got {tr.clip_eps}")
     _require(tr.torch_threads >= 1, "trainer.torch_threads", "must be >= 1")
+    _require(tr.world_size >= 1, "trainer.world_size", f"must be >= 1, got {tr.world_size}")
+    _require(tr.groups_per_step >= tr.world_size, "trainer.groups_per_step",
+             f"each of the trainer.world_size = {tr.world_size} ranks trains whole groups: "
+             f"needs at least that many groups per step, got {tr.groups_per_step}")
+    _require(tr.placement_timeout_s > 0, "trainer.placement_timeout_s", "must be > 0")
+    _require(all(v > 0 for v in tr.resources_per_rank.values()), "trainer.resources_per_rank",
+             f"every amount must be > 0, got {tr.resources_per_rank}")
+    cuda = tr.device.startswith("cuda")
+    for key, value in (("trainer.param_dtype", tr.param_dtype), ("trainer.reduce_dtype", tr.reduce_dtype)):
+        _require(not value or (cuda and tr.world_size > 1), key,
+                 "a mixed-precision policy is for FSDP2 ranks on CUDA (trainer.world_size > 1, trainer.device = cuda)")
+    _require(not tr.activation_checkpointing or tr.world_size > 1, "trainer.activation_checkpointing",
+             "applies to the sharded ranks (trainer.world_size > 1)")
     _require(sampler.name in ("windowed", "weight_fifo", "in_order") or ":" in sampler.name,
              "async_rl.sampler.name",
              f"must be windowed, weight_fifo, in_order or module:Class, got {sampler.name!r}")

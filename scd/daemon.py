@@ -56,7 +56,8 @@ from scd.tasks import Prompt, build_task
 from scd.telemetry import metrics
 from scd.telemetry.events import EventLog
 from scd.telemetry.http import serve_http
-from scd.training.grpo import GRPOTrainer
+from scd.training.base import Trainer
+from scd.training.group import open_trainer
 from scd.training.policy import Policy, build_policy
 
 log = logging.getLogger(__name__)
@@ -87,12 +88,12 @@ def _observe_blocked_mutation(kind: MutationKind, waited_s: float) -> None:
 
 class Controller:
     def __init__(self, config: Config, dataplane: DataPlane, backend: GenerationBackend, policy: Policy,
-                 prompts: list[Prompt]) -> None:
+                 prompts: list[Prompt], trainer: Trainer) -> None:
         self.config = config
         self.dataplane = dataplane
         self.backend = backend
         self.policy = policy
-        self.trainer = GRPOTrainer(config, policy)
+        self.trainer = trainer
         self.state = ControllerState(len(prompts), config.task.seed, build_sampler(config), dataplane,
                                      CheckpointBarrier(on_blocked=_observe_blocked_mutation))
         self.rollouts = Rollouts(config, self.state, policy, prompts, self._notify)
@@ -135,10 +136,12 @@ class Controller:
             owned = backend is None
             serving = await open_backend(config, policy) if backend is None else backend
             try:
-                controller = cls(config, dataplane, serving, policy, prompts)
-                async with controller.events:  # closing it waits (bounded, off the loop) for the trackers
-                    await serving.update_weights(controller.trainer.live_weights(), controller.state.weight_version)
-                    yield controller
+                async with open_trainer(config, policy) as trainer:
+                    controller = cls(config, dataplane, serving, policy, prompts, trainer)
+                    async with controller.events:  # closing it waits (bounded, off the loop) for the trackers
+                        await serving.update_weights(controller.trainer.live_weights(),
+                                                     controller.state.weight_version)
+                        yield controller
             finally:
                 if owned:
                     with anyio.CancelScope(shield=True):

@@ -25,11 +25,11 @@ SCD = [sys.executable, "-m", "scd.cli"]
 
 @pytest.fixture(scope="session")
 def tq_session() -> Iterator[None]:
-    """A local Ray with enough logical CPUs for TQ's controller and one storage unit."""
+    """A local Ray with enough logical CPUs for TQ's controller, one storage unit and two trainer ranks."""
     import ray
     import transfer_queue as tq
 
-    ray.init(address="local", num_cpus=3, include_dashboard=False, log_to_driver=False, _node_ip_address="127.0.0.2",
+    ray.init(address="local", num_cpus=5, include_dashboard=False, log_to_driver=False, _node_ip_address="127.0.0.2",
              logging_level=logging.WARNING)
     tq.init({"backend": {"SimpleStorage": {"num_data_storage_units": 1}}})
     yield

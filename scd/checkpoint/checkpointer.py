@@ -38,7 +38,7 @@ from scd.schema import OUTCOME_REASONS, CheckpointPhase, Outcome, SkipReason, Tr
 from scd.state import ControllerState
 from scd.telemetry import metrics
 from scd.telemetry.events import EventLog
-from scd.training.grpo import GRPOTrainer
+from scd.training.base import Trainer
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +59,7 @@ class CheckpointerStatistics:
 
 class Checkpointer:
     def __init__(self, config: Config, events: EventLog, state: ControllerState, dataplane: DataPlane,
-                 trainer: GRPOTrainer) -> None:
+                 trainer: Trainer) -> None:
         ckpt = config.checkpointing
         self.root = Path(ckpt.dir)
         self.keep_last = ckpt.keep_last
@@ -153,7 +153,7 @@ class Checkpointer:
             raise
         try:
             copy_started = time.monotonic()
-            model, optimizer = self._trainer.state_copy()
+            trainer_state = self._trainer.capture_state()
             phases[CheckpointPhase.STATE_COPY] = time.monotonic() - copy_started
             phases[CheckpointPhase.TRAIN_PUMP_BLOCKED] = copy_started - started
         except BaseException as exc:
@@ -164,7 +164,7 @@ class Checkpointer:
                 raise
             await self._failed(tmp, trigger, exc, step)
             return Outcome.FAILED
-        pending = PendingBundle(cut, window, model, optimizer, tmp, final, trigger, phases, started)
+        pending = PendingBundle(cut, window, trainer_state, tmp, final, trigger, phases, started)
         self._idle = anyio.Event()
         await self._to_writer.send(pending)
         await self._record(Outcome.SCHEDULED, trigger.value, step)

@@ -27,7 +27,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import TypeVar
 
-import torch
+import anyio
 
 from scd import faults
 from scd.checkpoint import layout
@@ -54,7 +54,7 @@ from scd.schema import RestorePhase, SchemaError, TrainingInfo, decode
 from scd.state import ControllerState, Restored
 from scd.telemetry import metrics
 from scd.telemetry.events import EventLog
-from scd.training.grpo import GRPOTrainer
+from scd.training.base import Trainer
 
 T = TypeVar("T")
 
@@ -67,7 +67,7 @@ class RestoreParts:
 
     state: ControllerState
     dataplane: DataPlane
-    trainer: GRPOTrainer
+    trainer: Trainer
     generation: GenerationBackend
     rollouts: Rollouts
     events: EventLog
@@ -293,8 +293,8 @@ async def restore_state(config: Config, parts: RestoreParts, restore_from: Path 
         await require_clean_data_plane(dataplane, bundle)
     clock.lap(RestorePhase.TQ)
 
-    parts.trainer.load_state(torch.load(bundle / layout.MODEL_FILE, weights_only=True),
-                             torch.load(bundle / layout.OPTIMIZER_FILE, weights_only=True))
+    await anyio.to_thread.run_sync(parts.trainer.load_state_files, bundle / layout.MODEL_FILE,
+                                   bundle / layout.OPTIMIZER_FILE)
     clock.lap(RestorePhase.POLICY_LOAD)
 
     if shadow:

@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import Any
 
 import anyio
-import torch
 
 from scd import faults
 from scd.checkpoint import layout
@@ -40,6 +39,7 @@ from scd.schema import (
     encode,
 )
 from scd.state import ControllerState, Cut
+from scd.training.base import StateCapture
 
 
 def failure_reason(exc: BaseException) -> FailReason:
@@ -72,8 +72,7 @@ class PendingBundle:
 
     cut: Cut
     window: SaveWindow
-    model: dict[str, torch.Tensor]
-    optimizer: dict[str, Any]
+    trainer_state: StateCapture
     tmp: Path
     final: Path
     trigger: Trigger
@@ -150,8 +149,7 @@ def write_bundle(pending: PendingBundle, keep_last: int, context: BundleContext)
         clock = now
 
     (tmp / layout.POLICY_DIR).mkdir(mode=layout.DIR_MODE, exist_ok=True)
-    torch.save(pending.model, tmp / layout.MODEL_FILE)
-    torch.save(pending.optimizer, tmp / layout.OPTIMIZER_FILE)
+    pending.trainer_state.write(tmp / layout.MODEL_FILE, tmp / layout.OPTIMIZER_FILE)
     lap(CheckpointPhase.POLICY_WRITE)
 
     dl = cut.dataloader

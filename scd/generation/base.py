@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Protocol
@@ -130,7 +130,7 @@ class GenerationBackend(Protocol):
         """One result per request, each sibling tagged with the weight version that made it."""
         ...
 
-    async def update_weights(self, weights: dict[str, torch.Tensor], version: int) -> None:
+    async def update_weights(self, weights: Mapping[str, torch.Tensor], version: int) -> None:
         """Serve ``weights`` as ``version``: no request starts under the new version before they are live.
 
         ``weights`` are the trainer's own tensors (no copy), unchanged until this returns; a backend keeps

@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import anyio
 import torch
@@ -97,7 +97,7 @@ class SyntheticBackend:
     def engine_activity(self) -> list[EngineActivity]:
         return [self._busy.activity("0", self.generated_tokens())]
 
-    async def update_weights(self, weights: dict[str, torch.Tensor], version: int) -> None:
+    async def update_weights(self, weights: Mapping[str, torch.Tensor], version: int) -> None:
         self._version = version
         metrics.weight_sync.labels("none").observe(0.0)  # no model: a new version is live at once
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import anyio
 import torch
@@ -15,6 +15,7 @@ from scd.config import Config
 from scd.generation.base import BusyClock, EngineActivity, GroupRequest, GroupResult, SiblingSink
 from scd.records import Completion, FinishReason
 from scd.telemetry import metrics
+from scd.training.export import unaliased
 from scd.training.policy import Policy
 
 
@@ -39,10 +40,13 @@ class TorchBackend:
         # A batch's siblings finish together: nothing to report before it returns.
         return await anyio.to_thread.run_sync(self._generate_blocking, requests, limiter=self._limiter)
 
-    async def update_weights(self, weights: dict[str, torch.Tensor], version: int) -> None:
+    async def update_weights(self, weights: Mapping[str, torch.Tensor], version: int) -> None:
         def load() -> None:
-            # load_state_dict copies: the trainer's own tensors are not kept past the call.
-            self._model.load_state_dict(weights)
+            # Tensor by tensor, in the model's order: a trainer group's weights arrive a layer at a
+            # time, and none of the trainer's tensors is kept past the call.
+            with torch.no_grad():
+                for name, tensor in unaliased(self._model.state_dict()).items():
+                    tensor.copy_(weights[name])
             self._version = version
 
         started = time.monotonic()

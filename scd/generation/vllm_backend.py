@@ -376,12 +376,21 @@ class VLLMBackend:
     async def _reload(self, weights: Mapping[str, torch.Tensor]) -> None:
         from safetensors.torch import save_file
 
-        from scd.generation.weight_transfer import unaliased
+        from scd.generation.weight_transfer import Layout
 
-        tensors = {name: tensor.detach().contiguous() for name, tensor in unaliased(weights).items()}
+        def write() -> None:
+            # A file per chunk: a trainer group's weights arrive a layer at a time, and no more
+            # than a chunk of them is held here.
+            for stale in self._staging.glob("*.safetensors"):
+                stale.unlink()
+            layout = Layout.of(weights)
+            for k, chunk in enumerate(layout.chunks()):
+                save_file({layout.names[i]: weights[layout.names[i]].detach().contiguous() for i in chunk},
+                          str(self._staging / f"model-{k:05d}.safetensors"))
+
         try:
             faults.hit("during_weight_reload")
-            await anyio.to_thread.run_sync(save_file, tensors, str(self._staging / "model.safetensors"))
+            await anyio.to_thread.run_sync(write)
         except OSError as exc:
             raise _AttemptFailed(f"writing the weights to {self._staging}", {None: exc}) from exc
         await self._on_every_engine(

@@ -53,6 +53,8 @@ from vllm.distributed.weight_transfer.base import (
 )
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
+from scd.training.export import ChunkedWeights, unaliased
+
 log = logging.getLogger(__name__)
 
 BACKEND = "scd_broadcast"
@@ -86,6 +88,9 @@ class Layout:
 
     @classmethod
     def of(cls, weights: Mapping[str, torch.Tensor]) -> Layout:
+        if isinstance(weights, ChunkedWeights):  # described without fetching a tensor
+            return cls(tuple(e.name for e in weights.entries), tuple(e.dtype for e in weights.entries),
+                       tuple(e.shape for e in weights.entries))
         tensors = unaliased(weights)
         return cls(tuple(tensors), tuple(str(t.dtype).removeprefix("torch.") for t in tensors.values()),
                    tuple(tuple(t.shape) for t in tensors.values()))
@@ -133,18 +138,6 @@ class Layout:
     def unpack(self, payload: torch.Tensor, chunk: range) -> list[tuple[str, torch.Tensor]]:
         return [(self.names[i], payload[start:start + self.nbytes(i)].view(_dtype(self.dtypes[i])).view(self.shapes[i]))
                 for i, start in zip(chunk, self.offsets(chunk), strict=True)]
-
-
-def unaliased(weights: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """``weights`` without tensors that alias an earlier one (tied embeddings): what a checkpoint holds."""
-    seen: set[tuple[int, int, torch.Size, torch.dtype]] = set()
-    out: dict[str, torch.Tensor] = {}
-    for name, tensor in weights.items():
-        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tensor.shape, tensor.dtype)
-        if key not in seen:
-            seen.add(key)
-            out[name] = tensor
-    return out
 
 
 def _dtype(name: str) -> torch.dtype:

@@ -28,6 +28,12 @@ group_admission_latency = Histogram(
 )
 trainer_step = Gauge("scd_trainer_step", "Trainer steps completed")
 weight_version = Gauge("scd_weight_version", "Weight version of the policy")
+trainer_world_size = Gauge("scd_trainer_world_size", "Trainer ranks (1: the trainer runs in scd's process)")
+trainer_rank_step_seconds = Gauge("scd_trainer_rank_step_seconds",
+                                  "Seconds the last step took on its slowest and its fastest rank", ["stat"])
+trainer_weight_export_seconds = Gauge(
+    "scd_trainer_weight_export_seconds",
+    "Seconds the last weight sync spent gathering whole tensors out of the trainer's shards")
 replay_groups = Gauge("scd_replay_groups", "Ready groups in the replay index")
 replay_rows = Gauge("scd_replay_rows", "Rows of ready groups in TransferQueue")
 ledger_prompts = Gauge("scd_ledger_prompts", "Prompts in the ledger by state", ["state"])

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import copy
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -12,21 +14,41 @@ import torch.nn.functional as F
 
 from scd.config import Config
 from scd.records import Rollout
+from scd.telemetry import metrics
+from scd.training.base import StepResult, StepShare, TrainerStatistics
 from scd.training.policy import Policy, state_copy
 
 
-@dataclass(slots=True)
-class StepResult:
-    loss: float
-    reward_mean: float
-    clip_fraction: float
-    entropy: float
-    tokens: int
-    # |trainer logprob - generation logprob| over the tokens of rows made entirely by the weights
-    # being trained (other rows differ by design); None when the step had no such row.
-    logprob_mismatch_mean: float | None
-    logprob_mismatch_max: float | None
-    logprob_mismatch_tokens: int
+def combine(shares: Sequence[StepShare], rewards: Sequence[float]) -> StepResult:
+    """The step's result from every rank's share (one share at world size 1)."""
+    tokens = sum(s.tokens for s in shares)
+    on_policy = sum(s.mismatch_tokens for s in shares)
+    return StepResult(
+        loss=sum(s.loss for s in shares), reward_mean=sum(rewards) / len(rewards),
+        clip_fraction=sum(s.clipped_tokens for s in shares) / tokens,
+        entropy=sum(s.entropy_sum for s in shares) / tokens, tokens=tokens,
+        logprob_mismatch_mean=sum(s.mismatch_sum for s in shares) / on_policy if on_policy else None,
+        logprob_mismatch_max=max(s.mismatch_max for s in shares if s.mismatch_tokens) if on_policy else None,
+        logprob_mismatch_tokens=on_policy,
+        slowest_rank_s=max(s.seconds for s in shares), fastest_rank_s=min(s.seconds for s in shares),
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class CopiedState:
+    """Weights and optimizer state already copied to host memory."""
+
+    model: dict[str, torch.Tensor]
+    optimizer: dict[str, Any]
+
+    def write(self, model_path: Path, optimizer_path: Path) -> None:
+        torch.save(self.model, model_path)
+        torch.save(self.optimizer, optimizer_path)
+
+
+def completion_tokens(groups: Sequence[Sequence[Rollout]]) -> int:
+    """The tokens a step's loss is normalised over: every completion token of every row."""
+    return sum(len(r.logprobs) for g in groups for r in g)
 
 
 def group_advantages(rewards: torch.Tensor, eps: float) -> torch.Tensor:
@@ -41,13 +63,22 @@ def completion_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature:
 
 
 class GRPOTrainer:
-    def __init__(self, config: Config, policy: Policy) -> None:
+    """The policy, its optimizer and the GRPO step: in scd's process at world size 1, and in each
+    rank of a ``TrainerGroup``, sharded (``sharded``: FSDP2 over the default process group)."""
+
+    def __init__(self, config: Config, policy: Policy, *, sharded: bool = False) -> None:
         torch.manual_seed(config.run.seed)
         self.policy = policy
         self.device = torch.device(config.trainer.device)
         self.model = policy.build_model().to(self.device)
         self.cfg = config.trainer
         self.temperature = config.generation.temperature
+        self.sharded = sharded
+        self.world_size = 1
+        if sharded:
+            from scd.training.sharding import shard_model
+
+            self.world_size = shard_model(self.model, policy, config.trainer)
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=self.cfg.lr, weight_decay=self.cfg.weight_decay
         )
@@ -62,7 +93,15 @@ class GRPOTrainer:
         return self.model.state_dict()
 
     def state_copy(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-        """Weights and optimizer state copied to host memory, for a checkpoint written while training goes on."""
+        """Weights and optimizer state copied to host memory, for a checkpoint written while training goes on.
+
+        Sharded, every rank takes part and rank 0 gets the whole (gathered) state, others empty dicts;
+        the optimizer state is keyed by parameter index either way, so a bundle restores at any world size.
+        """
+        if self.sharded:
+            from scd.training.sharding import full_state
+
+            return full_state(self.model, self.optimizer)
         optimizer = self.optimizer.state_dict()
         return self.weights(), copy.deepcopy({
             "state": {k: {n: t.to("cpu") if isinstance(t, torch.Tensor) else t for n, t in v.items()}
@@ -71,12 +110,36 @@ class GRPOTrainer:
         })
 
     def load_state(self, model: dict[str, torch.Tensor], optimizer: dict[str, Any]) -> None:
-        """Weights and optimizer state as ``state_copy`` gave them (a restored bundle's)."""
+        """Weights and optimizer state as ``state_copy`` gave them (a restored bundle's), whole on every rank."""
+        if self.sharded:
+            from scd.training.sharding import load_full_state
+
+            load_full_state(self.model, self.optimizer, model, optimizer)
+            return
         self.model.load_state_dict(model)
         self.optimizer.load_state_dict(optimizer)
 
+    def capture_state(self) -> CopiedState:
+        return CopiedState(*self.state_copy())
+
+    def load_state_files(self, model_path: Path, optimizer_path: Path) -> None:
+        """``load_state`` from a bundle's files; blocking."""
+        self.load_state(torch.load(model_path, weights_only=True), torch.load(optimizer_path, weights_only=True))
+
+    def statistics(self) -> TrainerStatistics:
+        return TrainerStatistics(world_size=1, last_export_s=0.0)
+
     def step(self, groups: Sequence[Sequence[Rollout]], weight_version: int) -> StepResult:
         """One optimisation step on ``groups`` with the weights of ``weight_version``; blocking (worker thread)."""
+        share = self.train_share(groups, weight_version, completion_tokens(groups))
+        metrics.trainer_rank_step_seconds.labels("slowest").set(share.seconds)
+        metrics.trainer_rank_step_seconds.labels("fastest").set(share.seconds)
+        return combine([share], [r.reward for g in groups for r in g])
+
+    def train_share(self, groups: Sequence[Sequence[Rollout]], weight_version: int, step_tokens: int) -> StepShare:
+        """This rank's part of one step: the loss over its ``groups``, normalised by ``step_tokens`` (the
+        whole step's, on every rank), so that gradients summed over ranks are world size 1's gradient."""
+        started = time.perf_counter()
         rows = [row for group in groups for row in group]
         advantages = torch.cat([
             group_advantages(torch.tensor([r.reward for r in g]), self.cfg.advantage_eps) for g in groups
@@ -103,29 +166,31 @@ class GRPOTrainer:
         clipped = torch.clamp(ratio, 1 - self.cfg.clip_eps, 1 + self.cfg.clip_eps)
         surrogate = -torch.minimum(ratio * adv, clipped * adv)
         n_tokens = mask.sum()
-        policy_loss = (surrogate * mask).sum() / n_tokens
+        # FSDP averages gradients over the ranks: scaled by the world size, each rank's sum over the
+        # whole step's tokens adds up to the world-size-1 loss.
+        policy_loss = (surrogate * mask).sum() / step_tokens
         loss = policy_loss
-        entropy = torch.zeros(())
+        entropy_sum = torch.zeros(())
         if self.cfg.entropy_coef:
             probs = F.softmax(logits[:, :-1] / self.temperature, dim=-1)
             token_entropy = -(probs * F.log_softmax(logits[:, :-1] / self.temperature, dim=-1)).sum(-1)
-            entropy = (token_entropy * mask).sum() / n_tokens
-            loss = loss - self.cfg.entropy_coef * entropy
+            entropy_sum = (token_entropy * mask).sum()
+            loss = loss - self.cfg.entropy_coef * entropy_sum / step_tokens
 
         self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        (loss * self.world_size).backward()
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm)
         self.optimizer.step()
         with torch.no_grad():
-            clip_fraction = (((ratio - 1).abs() > self.cfg.clip_eps).float() * mask).sum() / n_tokens
+            clipped_tokens = (((ratio - 1).abs() > self.cfg.clip_eps).float() * mask).sum()
             on_policy = torch.tensor([r.weight_version == weight_version and r.single_version for r in rows],
                                      device=self.device)
             gap = ((new_logp - old_logp).abs() * mask)[on_policy]
             on_policy_tokens = int(mask[on_policy].sum())
-        return StepResult(
-            loss=float(loss.detach()), reward_mean=float(torch.tensor([r.reward for r in rows]).mean()),
-            clip_fraction=float(clip_fraction), entropy=float(entropy.detach()), tokens=int(n_tokens),
-            logprob_mismatch_mean=float(gap.sum() / on_policy_tokens) if on_policy_tokens else None,
-            logprob_mismatch_max=float(gap.max()) if on_policy_tokens else None,
-            logprob_mismatch_tokens=on_policy_tokens,
+        return StepShare(
+            loss=float(loss.detach()), tokens=int(n_tokens), clipped_tokens=float(clipped_tokens),
+            entropy_sum=float(entropy_sum.detach()),
+            mismatch_sum=float(gap.sum()) if on_policy_tokens else 0.0,
+            mismatch_max=float(gap.max()) if on_policy_tokens else 0.0,
+            mismatch_tokens=on_policy_tokens, seconds=time.perf_counter() - started,
         )

@@ -53,6 +53,10 @@ class Policy(Protocol):
         """Next-token logits ``[batch, time, vocab]`` for right-padded ``tokens``."""
         ...
 
+    def decoder_layers(self, model: nn.Module) -> nn.ModuleList:
+        """The model's repeated blocks: the units FSDP2 shards and activation checkpointing recomputes."""
+        ...
+
 
 class TinyCausalLM(nn.Module):
     """A small pre-LayerNorm causal transformer with learned positions."""
@@ -111,6 +115,9 @@ class TinyPolicy:
     def logits(self, model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
         return model(tokens)
 
+    def decoder_layers(self, model: nn.Module) -> nn.ModuleList:
+        return model.blocks.layers
+
 
 class HFPolicy:
     """A local Hugging Face causal LM directory (``config.json``, safetensors, tokenizer files)."""
@@ -146,6 +153,14 @@ class HFPolicy:
     def logits(self, model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
         # Right padding: a causal model's logits at real positions never see the pad after them.
         return model(input_ids=tokens, use_cache=False).logits.float()
+
+    def decoder_layers(self, model: nn.Module) -> nn.ModuleList:
+        # Llama, Qwen, Mistral and most decoder-only HF models keep their blocks at model.model.layers.
+        layers = getattr(getattr(model, "model", None), "layers", None)
+        if not isinstance(layers, nn.ModuleList):
+            raise ConfigError("trainer.world_size", f"{self.model_dir}: no decoder layers at model.model.layers "
+                                                    "to shard; train it at world size 1")
+        return layers
 
 
 def build_policy(config: ModelConfig, seed: int) -> TinyPolicy | HFPolicy:

@@ -1,0 +1,79 @@
+"""What the controller needs of a trainer: in its own process (``GRPOTrainer``) or a group of ranks on
+Ray (``TrainerGroup``); the controller cannot tell them apart."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import torch
+
+from scd.records import Rollout
+
+
+@dataclass(slots=True)
+class StepResult:
+    loss: float
+    reward_mean: float
+    clip_fraction: float
+    entropy: float
+    tokens: int
+    # |trainer logprob - generation logprob| over the tokens of rows made entirely by the weights
+    # being trained (other rows differ by design); None when the step had no such row.
+    logprob_mismatch_mean: float | None
+    logprob_mismatch_max: float | None
+    logprob_mismatch_tokens: int
+    # Seconds the slowest and the fastest rank took (equal at world size 1).
+    slowest_rank_s: float = 0.0
+    fastest_rank_s: float = 0.0
+
+
+@dataclass(slots=True)
+class StepShare:
+    """One rank's share of a step: sums over its rows, added up across ranks by ``combine``."""
+
+    loss: float  # already divided by the whole step's tokens
+    tokens: int
+    clipped_tokens: float
+    entropy_sum: float
+    mismatch_sum: float
+    mismatch_max: float
+    mismatch_tokens: int
+    seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class TrainerStatistics:
+    world_size: int
+    # Seconds the last weight sync spent gathering whole tensors out of the shards (0 at world size 1:
+    # generation reads the trainer's own tensors).
+    last_export_s: float
+
+
+class StateCapture(Protocol):
+    def write(self, model_path: Path, optimizer_path: Path) -> None:
+        """Write the captured weights and optimizer state; blocking (the checkpoint writer's thread)."""
+        ...
+
+
+class Trainer(Protocol):
+    def step(self, groups: Sequence[Sequence[Rollout]], weight_version: int) -> StepResult:
+        """One optimisation step; blocking (a worker thread)."""
+        ...
+
+    def capture_state(self) -> StateCapture:
+        """The state at this step boundary, for a checkpoint written while training goes on.  Cheap
+        for the caller: the next ``step`` starts after the capture, wherever the state lives."""
+        ...
+
+    def load_state_files(self, model_path: Path, optimizer_path: Path) -> None:
+        """Load a bundle's weights and optimizer state (written at any world size); blocking."""
+        ...
+
+    def live_weights(self) -> Mapping[str, torch.Tensor]:
+        """The whole weights for a sync, valid until the next step; read them from a worker thread."""
+        ...
+
+    def statistics(self) -> TrainerStatistics: ...

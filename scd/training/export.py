@@ -1,0 +1,84 @@
+"""The weights of a trainer group as a mapping that fetches them a decoder layer at a time.
+
+A generation backend reads a weight sync's tensors in order (``Mapping`` iteration); a
+``ChunkedWeights`` holds one chunk (a decoder layer, or one of the tensors outside the layers)
+at a time, so scd's process never holds a second copy of the model.  Reading out of order
+works, fetching again.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+_LAYER = re.compile(r"^(.*?\.layers\.\d+)\.")
+
+
+@dataclass(frozen=True, slots=True)
+class WeightEntry:
+    name: str
+    dtype: str  # torch dtype without its "torch." prefix
+    shape: tuple[int, ...]
+
+
+def layer_chunks(names: Sequence[str]) -> list[list[str]]:
+    """``names`` in order, cut where the decoder layer changes; a tensor outside the layers travels alone."""
+    chunks: list[list[str]] = []
+    last: str | None = None
+    for name in names:
+        match = _LAYER.match(name)
+        layer = match.group(1) if match else None
+        if layer is None or layer != last:
+            chunks.append([])
+        chunks[-1].append(name)
+        last = layer
+    return chunks
+
+
+class ChunkedWeights(Mapping[str, torch.Tensor]):
+    """The group's whole weights, none aliasing another, fetched by ``fetch`` (blocking: call it from a
+    worker thread) one chunk at a time."""
+
+    def __init__(self, entries: Sequence[WeightEntry], fetch: Callable[[list[str]], dict[str, torch.Tensor]]) -> None:
+        self.entries = tuple(entries)
+        self._chunks = layer_chunks([e.name for e in self.entries])
+        self._chunk_of = {name: i for i, chunk in enumerate(self._chunks) for name in chunk}
+        self._fetch = fetch
+        self._held: tuple[int, dict[str, torch.Tensor]] = (-1, {})
+        self.fetches = 0
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        chunk = self._chunk_of[name]
+        if self._held[0] != chunk:
+            self._held = (-1, {})  # drop the previous chunk before the next one arrives
+            self._held = (chunk, self._fetch(self._chunks[chunk]))
+            self.fetches += 1
+        return self._held[1][name]
+
+    def __iter__(self) -> Iterator[str]:
+        return (e.name for e in self.entries)
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def release(self) -> None:
+        """Drop the chunk held: the sync is over."""
+        self._held = (-1, {})
+
+
+def unaliased(weights: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
+    """``weights`` without tensors that alias an earlier one (tied embeddings): what a checkpoint holds
+    and a sync sends.  A ``ChunkedWeights`` is built that way."""
+    if isinstance(weights, ChunkedWeights):
+        return weights
+    seen: set[tuple[int, int, torch.Size, torch.dtype]] = set()
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in weights.items():
+        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tensor.shape, tensor.dtype)
+        if key not in seen:
+            seen.add(key)
+            out[name] = tensor
+    return out

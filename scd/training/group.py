@@ -1,0 +1,296 @@
+"""The trainer as ``trainer.world_size`` ranks on Ray, each a ``GRPOTrainer`` sharded with FSDP2.
+
+The ranks are Ray actors in one placement group (one bundle of ``trainer.resources_per_rank``
+each, packed onto as few nodes as the cluster allows), on the Ray that scd already runs TQ on.
+Rank 0 picks the rendezvous address: a free port on its node's address, loopback on one machine.
+
+A step sends each rank whole groups (``shard_groups``) and the step's token count: every rank
+normalises its loss by the whole step's tokens, so the update equals world size 1's.  Ray runs
+one caller's calls to an actor in order, so a capture or a gather submitted between two steps
+sees exactly the boundary's state, without the controller waiting for it.
+
+Weights leave the group from rank 0 a decoder layer at a time (``ChunkedWeights``); checkpoints
+are written by rank 0 itself.  Neither passes a whole model through scd's process.
+
+A rank that dies fails the call waiting on it at once (``ray.wait`` on every rank), naming the
+rank and its node; the others, stuck in a collective, die with the group.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import socket
+import time
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import anyio
+
+from scd.config import Config
+from scd.errors import ConfigError, ScdError
+from scd.records import Rollout
+from scd.telemetry import metrics
+from scd.training.base import StepResult, Trainer, TrainerStatistics
+from scd.training.export import ChunkedWeights, WeightEntry
+from scd.training.grpo import GRPOTrainer, combine, completion_tokens
+from scd.training.policy import Policy
+
+log = logging.getLogger(__name__)
+
+# gloo's and NCCL's own timeout for a collective a peer never joins.
+COLLECTIVE_TIMEOUT_S = 600.0
+
+
+class TrainerRankFailed(ScdError):
+    """A trainer rank died or raised; names the rank, its node and process."""
+
+
+@dataclass(frozen=True, slots=True)
+class RankPlace:
+    rank: int
+    node_ip: str
+    pid: int
+
+    def __str__(self) -> str:
+        return f"trainer rank {self.rank} (node {self.node_ip}, pid {self.pid})"
+
+
+def shard_groups(groups: Sequence[Sequence[Rollout]], world_size: int) -> list[list[Sequence[Rollout]]]:
+    """Whole groups to each rank, round robin: a group's advantages need all of its rows."""
+    return [list(groups[rank::world_size]) for rank in range(world_size)]
+
+
+def wait_all(refs: list[Any], places: Sequence[RankPlace], what: str) -> list[Any]:
+    """Every result, in order; the first rank to die or raise fails it at once.  Blocking.
+
+    ``refs[i]`` is rank i's call (or rank 0's, for a call to rank 0 alone).
+    """
+    import ray
+
+    pending = {ref: i for i, ref in enumerate(refs)}
+    results: list[Any] = [None] * len(refs)
+    while pending:
+        done, _ = ray.wait(list(pending), num_returns=1)
+        for ref in done:
+            i = pending.pop(ref)
+            try:
+                results[i] = ray.get(ref)
+            except ray.exceptions.RayActorError as exc:
+                raise TrainerRankFailed(f"{places[i]} died while {what}: {exc.__class__.__name__}. The bundles "
+                                        "are untouched; the next start restores from the newest") from None
+            except ray.exceptions.RayTaskError as exc:
+                raise TrainerRankFailed(f"{places[i]} failed while {what}: {exc.cause!r}") from None
+    return results
+
+
+@functools.cache
+def _rank_actor() -> Any:
+    import ray
+
+    @ray.remote(max_restarts=0)
+    class TrainerRank:
+        def __init__(self, config: Config, rank: int, world_size: int) -> None:
+            self.config, self.rank, self.world_size = config, rank, world_size
+            self.trainer: Any = None
+            self.captured: tuple[dict[str, Any], dict[str, Any]] | None = None
+
+        def place(self) -> tuple[str, int]:
+            return ray.util.get_node_ip_address(), os.getpid()
+
+        def rendezvous_address(self) -> tuple[str, int]:
+            host = ray.util.get_node_ip_address()
+            with socket.socket() as probe:
+                probe.bind((host, 0))
+                return host, probe.getsockname()[1]
+
+        def setup(self, host: str, port: int) -> list[WeightEntry]:
+            from datetime import timedelta
+
+            import torch
+            import torch.distributed as dist
+
+            from scd.training.grpo import GRPOTrainer
+            from scd.training.policy import build_policy
+
+            if host.startswith("127."):
+                # gloo and NCCL pick an interface by the host name unless told: loopback stays loopback.
+                os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+                os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
+            torch.set_num_threads(self.config.trainer.torch_threads)
+            cuda = self.config.trainer.device.startswith("cuda")
+            dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://{host}:{port}",
+                                    rank=self.rank, world_size=self.world_size,
+                                    timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+            # Ray shows each GPU rank only its own device.
+            config = self.config
+            if cuda:
+                import msgspec
+
+                config = msgspec.structs.replace(
+                    config, trainer=msgspec.structs.replace(config.trainer, device="cuda:0"))
+            self.trainer = GRPOTrainer(config, build_policy(config.model, config.run.seed), sharded=True)
+            seen: set[int] = set()
+            entries = []
+            for name, tensor in self.trainer.model.state_dict().items():
+                if id(tensor) in seen:  # a tied weight is sent once, as a checkpoint holds it
+                    continue
+                seen.add(id(tensor))
+                entries.append(WeightEntry(name, str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape)))
+            return entries
+
+        def train(self, groups: list[list[Rollout]], weight_version: int, step_tokens: int) -> Any:
+            return self.trainer.train_share(groups, weight_version, step_tokens)
+
+        def gather(self, names: list[str]) -> Any:
+            from scd.training.sharding import gathered
+
+            tensors = gathered(self.trainer.model, names)
+            return tensors if self.rank == 0 else None
+
+        def capture(self) -> None:
+            model, optimizer = self.trainer.state_copy()
+            self.captured = (model, optimizer) if self.rank == 0 else None
+
+        def write_captured(self, model_path: str, optimizer_path: str) -> None:
+            import torch
+
+            assert self.captured is not None, "write_captured without a capture"
+            model, optimizer = self.captured
+            self.captured = None
+            torch.save(model, model_path)
+            torch.save(optimizer, optimizer_path)
+
+        def load(self, model_path: str, optimizer_path: str) -> None:
+            import torch
+
+            self.trainer.load_state(torch.load(model_path, weights_only=True),
+                                    torch.load(optimizer_path, weights_only=True))
+
+    return TrainerRank
+
+
+class _GroupCapture:
+    """A capture submitted to every rank; rank 0 writes it."""
+
+    def __init__(self, group: TrainerGroup, refs: list[Any]) -> None:
+        self._group, self._refs = group, refs
+
+    def write(self, model_path: Path, optimizer_path: Path) -> None:
+        self._group.wait_all(self._refs, "a checkpoint's state capture")
+        self._group.wait_all([self._group.ranks[0].write_captured.remote(str(model_path), str(optimizer_path))],
+                             "writing a checkpoint's trainer state")
+
+
+@asynccontextmanager
+async def open_trainer(config: Config, policy: Policy) -> AsyncIterator[Trainer]:
+    """World size 1: a ``GRPOTrainer`` in this process.  Above: a ``TrainerGroup`` (Ray must be up)."""
+    if config.trainer.world_size == 1:
+        trainer = GRPOTrainer(config, policy)
+        metrics.trainer_world_size.set(1)
+        metrics.trainer_weight_export_seconds.set(0.0)
+        yield trainer
+        return
+    async with TrainerGroup.open(config) as group:
+        yield group
+
+
+class TrainerGroup:
+    """``trainer.world_size`` ranks; the controller's trainer when the world size is above 1."""
+
+    def __init__(self, config: Config, ranks: list[Any], places: list[RankPlace], entries: list[WeightEntry]) -> None:
+        self.config = config
+        self.ranks = ranks
+        self.places = places
+        self._entries = entries
+        self._export_s = 0.0
+        metrics.trainer_world_size.set(len(ranks))
+
+    @classmethod
+    @asynccontextmanager
+    async def open(cls, config: Config) -> AsyncIterator[TrainerGroup]:
+        """Place, start and connect the ranks; they are killed (and their placement freed) on exit."""
+        import ray
+        from ray.util.placement_group import placement_group, remove_placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        world = config.trainer.world_size
+        asked = config.trainer_rank_resources()
+        placement = placement_group([asked] * world, strategy="PACK")
+        ranks: list[Any] = []
+        try:
+            await cls._wait_for_placement(config, placement, asked)
+            rank_class = _rank_actor()
+            for rank in range(world):
+                ranks.append(rank_class.options(
+                    num_cpus=asked.get("CPU", 0), num_gpus=asked.get("GPU", 0),
+                    resources={k: v for k, v in asked.items() if k not in ("CPU", "GPU")},
+                    scheduling_strategy=PlacementGroupSchedulingStrategy(placement, placement_group_bundle_index=rank),
+                ).remote(config, rank, world))
+            places = [RankPlace(rank, "(starting)", 0) for rank in range(world)]
+            located = await anyio.to_thread.run_sync(wait_all, [r.place.remote() for r in ranks], places, "starting")
+            places = [RankPlace(rank, ip, pid) for rank, (ip, pid) in enumerate(located)]
+            [(host, port)] = await anyio.to_thread.run_sync(
+                wait_all, [ranks[0].rendezvous_address.remote()], places, "choosing the rendezvous address")
+            entries = (await anyio.to_thread.run_sync(
+                wait_all, [r.setup.remote(host, port) for r in ranks], places, "joining the process group"))[0]
+            log.info("trainer: %d ranks (%s), rendezvous %s:%d", world, "; ".join(map(str, places)), host, port)
+            yield cls(config, ranks, places, entries)
+        finally:
+            for rank_actor in ranks:
+                ray.kill(rank_actor, no_restart=True)
+            remove_placement_group(placement)
+
+    @staticmethod
+    async def _wait_for_placement(config: Config, placement: Any, asked: dict[str, float]) -> None:
+        import ray
+
+        timeout_s = config.trainer.placement_timeout_s
+        ready = await anyio.to_thread.run_sync(lambda: placement.wait(timeout_seconds=timeout_s))
+        if not ready:
+            total, free = ray.cluster_resources(), ray.available_resources()
+            raise ConfigError("trainer.world_size", (
+                f"{config.trainer.world_size} ranks of {asked} (trainer.resources_per_rank) could not be placed "
+                f"within trainer.placement_timeout_s = {timeout_s:g}s; the cluster has "
+                f"{ {k: v for k, v in total.items() if not k.startswith('node:')} }, free "
+                f"{ {k: v for k, v in free.items() if not k.startswith('node:')} }"))
+
+    def wait_all(self, refs: list[Any], what: str) -> list[Any]:
+        return wait_all(refs, self.places, what)
+
+    # ---- the trainer interface ------------------------------------------------------------------
+
+    def step(self, groups: Sequence[Sequence[Rollout]], weight_version: int) -> StepResult:
+        step_tokens = completion_tokens(groups)
+        shares = self.wait_all([rank.train.remote(shard, weight_version, step_tokens)
+                                for rank, shard in zip(self.ranks, shard_groups(groups, len(self.ranks)),
+                                                       strict=True)], "training a step")
+        result = combine(shares, [r.reward for g in groups for r in g])
+        metrics.trainer_rank_step_seconds.labels("slowest").set(result.slowest_rank_s)
+        metrics.trainer_rank_step_seconds.labels("fastest").set(result.fastest_rank_s)
+        return result
+
+    def capture_state(self) -> _GroupCapture:
+        return _GroupCapture(self, [rank.capture.remote() for rank in self.ranks])
+
+    def load_state_files(self, model_path: Path, optimizer_path: Path) -> None:
+        self.wait_all([rank.load.remote(str(model_path), str(optimizer_path)) for rank in self.ranks],
+                      f"loading {model_path.parent}")
+
+    def live_weights(self) -> ChunkedWeights:
+        self._export_s = 0.0
+        return ChunkedWeights(self._entries, self._gather)
+
+    def _gather(self, names: list[str]) -> Any:
+        started = time.monotonic()
+        tensors = self.wait_all([rank.gather.remote(names) for rank in self.ranks], "exporting weights")[0]
+        self._export_s += time.monotonic() - started
+        metrics.trainer_weight_export_seconds.set(self._export_s)
+        return tensors
+
+    def statistics(self) -> TrainerStatistics:
+        return TrainerStatistics(world_size=len(self.ranks), last_export_s=self._export_s)

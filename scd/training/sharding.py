@@ -1,0 +1,84 @@
+"""FSDP2 inside one trainer rank: sharding the model, and its state gathered or loaded whole.
+
+A rank's process group is the default one (``TrainerGroup`` sets it up).  A bundle holds the whole,
+unsharded state, with the optimizer's keyed by parameter index as a plain ``optimizer.state_dict()``
+is, so one bundle restores at any world size, in scd's process or on ranks.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+from scd.config import TrainerConfig
+from scd.training.policy import Policy
+
+
+def shard_model(model: nn.Module, policy: Policy, config: TrainerConfig) -> int:
+    """``fully_shard`` each decoder layer, then the root; returns the world size."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    precision = MixedPrecisionPolicy(
+        param_dtype=getattr(torch, config.param_dtype) if config.param_dtype else None,
+        reduce_dtype=getattr(torch, config.reduce_dtype) if config.reduce_dtype else None)
+    layers = policy.decoder_layers(model)
+    if config.activation_checkpointing:
+        from torch.distributed._composable import checkpoint
+
+        for layer in layers:
+            checkpoint(layer)
+    for layer in layers:
+        fully_shard(layer, mp_policy=precision)
+    fully_shard(model, mp_policy=precision)
+    return dist.get_world_size()
+
+
+def _parameter_names(model: nn.Module) -> list[str]:
+    return [name for name, _ in model.named_parameters()]
+
+
+def full_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """The whole state on rank 0 (host memory), empty dicts elsewhere; every rank must call it."""
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    weights = get_model_state_dict(model, options=options)
+    by_name = get_optimizer_state_dict(model, optimizer, options=options)
+    if not weights:
+        return {}, {}
+    index = {name: i for i, name in enumerate(_parameter_names(model))}
+    return weights, {
+        "state": {index[name]: state for name, state in by_name["state"].items()},
+        "param_groups": [{**group, "params": [index[name] for name in group["params"]]}
+                         for group in by_name["param_groups"]],
+    }
+
+
+def load_full_state(model: nn.Module, optimizer: torch.optim.Optimizer,
+                    weights: dict[str, torch.Tensor], by_index: dict[str, Any]) -> None:
+    """Load a whole state (``full_state``'s form) into this rank's shards; every rank must call it."""
+    names = _parameter_names(model)
+    options = StateDictOptions(full_state_dict=True)
+    set_model_state_dict(model, weights, options=options)
+    set_optimizer_state_dict(model, optimizer, {
+        "state": {names[i]: state for i, state in by_index["state"].items()},
+        "param_groups": [{**group, "params": [names[i] for i in group["params"]]}
+                         for group in by_index["param_groups"]],
+    }, options=options)
+
+
+def gathered(model: nn.Module, names: list[str]) -> dict[str, torch.Tensor]:
+    """The whole tensors of ``names`` (host memory); every rank must call it with the same names."""
+    from torch.distributed.tensor import DTensor
+
+    own = model.state_dict()
+    return {name: (own[name].full_tensor() if isinstance(own[name], DTensor) else own[name]).detach().cpu()
+            for name in names}
