@@ -3,19 +3,32 @@ size 1, state that moves between world sizes exactly, and weights exported a lay
 
 from __future__ import annotations
 
+import os
+import re
+import signal
+import tomllib
 from pathlib import Path
 
 import anyio
 import pytest
 import torch
 
+from scd.checkpoint import layout
+from scd.checkpoint.verify import verify_bundle
 from scd.errors import ConfigError
 from scd.records import Rollout
 from scd.training.export import ChunkedWeights, layer_chunks
 from scd.training.group import TrainerGroup
 from scd.training.grpo import GRPOTrainer
 from scd.training.policy import build_policy
-from tests.conftest import tiny_config
+from tests.conftest import ScdProcess, tiny_config, tree_digest, write_config
+from tests.test_process import metric, scrape
+
+CHECKPOINTS_ON_REQUEST = "\n[checkpointing]\nenabled = true\ninterval_s = 3600\n"
+
+
+def port_of(config: Path) -> int:
+    return tomllib.loads(config.read_text())["telemetry"]["metrics_port"]
 
 # Four groups of four rows of different lengths, so the two ranks' shards differ in tokens.
 GROUPS, ROWS = 4, 4
@@ -122,3 +135,50 @@ async def test_ranks_that_cannot_be_placed_exit_2_naming_what_was_asked_and_what
     # The placement group was removed: a group that fits is placed at once afterwards.
     async with TrainerGroup.open(two_config) as two:
         assert two.statistics().world_size == 2
+
+
+def world_config(tmp_path: Path, world_size: int) -> Path:
+    """tests/conftest.py's TINY run at ``world_size``, every size sharing one output and checkpoint dir."""
+    text = write_config(tmp_path, max_steps=100_000, extra=CHECKPOINTS_ON_REQUEST).read_text()
+    text = text.replace("num_cpus = 3", "num_cpus = 5").replace(
+        "groups_per_step = 8\n", f"groups_per_step = 8\nworld_size = {world_size}\n")
+    path = tmp_path / f"world-{world_size}.toml"
+    path.write_text(text)
+    return path
+
+
+def test_world_size_one_two_one_across_restarts_and_a_killed_rank_exits_1_naming_it(
+        tmp_path: Path, scd_processes: list[ScdProcess]) -> None:
+    root = tmp_path / "out" / "checkpoints"
+    one, two = world_config(tmp_path, 1), world_config(tmp_path, 2)
+    first = ScdProcess(one, "--max-steps", "2")
+    scd_processes.append(first)
+    assert first.wait(timeout=300) == 0, first.output()[-3000:]
+    [bundle] = layout.finalized_bundles(root)
+
+    second = ScdProcess(two)
+    scd_processes.append(second)
+    second.wait_for_line("step 4 ")
+    out = second.output()
+    assert f"restored {bundle}: step 2," in out and "step 3 version 3 " in out and "step 2 version" not in out
+    assert metric(scrape(port_of(two)), "scd_trainer_world_size") == 2
+    second.signal(signal.SIGUSR1)
+    second.wait_for_line("(signal)")
+    newest = layout.finalized_bundles(root)[-1]
+    k = layout.step_of(newest)
+    assert k is not None and k >= 4
+    verify_bundle(newest)
+    before = tree_digest(root)
+    [(rank_1_ip, rank_1_pid)] = re.findall(r"trainer rank 1 \(node ([\d.]+), pid (\d+)\)", out)
+    os.kill(int(rank_1_pid), signal.SIGKILL)  # the rank's actor process, which this test's scd started
+    assert second.wait(timeout=120) == 1, second.output()[-3000:]
+    assert f"scd: error: trainer rank 1 (node {rank_1_ip}, pid {rank_1_pid}) died" in second.output()
+    assert tree_digest(root) == before, "a failing run changed the bundles"
+
+    third = ScdProcess(one, "--max-steps", str(k + 2))
+    scd_processes.append(third)
+    assert third.wait(timeout=300) == 0, third.output()[-3000:]
+    out = third.output()
+    assert f"restored {newest}: step {k}," in out
+    assert f"step {k + 1} version {k + 1} " in out and f"step {k + 2} version {k + 2} " in out
+    verify_bundle(layout.step_dir(root, k + 2))

@@ -256,10 +256,14 @@ def test_scd_run_on_vllm_reaches_max_steps_with_both_metric_families(tiny_llama:
     assert all(e["logprob_mismatch_tokens"] > 0 and e["logprob_mismatch_max"] < 1e-3 for e in steps)
 
 
-def test_vllm_checkpoint_kill_and_restore_trains_on(tiny_llama: Path, tmp_path: Path,
-                                                    scd_processes: list[ScdProcess]) -> None:
+def test_vllm_with_two_trainer_ranks_checkpoints_is_killed_restores_and_trains_on(
+        tiny_llama: Path, tmp_path: Path, scd_processes: list[ScdProcess]) -> None:
+    """Two FSDP2 ranks on Ray train; their weights reach the engine in memory, a layer at a time.
+    Staleness 0, so that every step measures the trainer/generation logprob agreement."""
     config = vllm_cpu_config(tmp_path, tiny_llama, checkpointing={"enabled": True, "interval_s": 3600},
-                             generation={"group_size": 8}, trainer={"groups_per_step": 8})
+                             async_rl={"sampler.max_staleness_versions": 0},
+                             generation={"group_size": 8}, trainer={"groups_per_step": 8, "world_size": 2},
+                             data_plane={"ray.num_cpus": 5})
     root = tmp_path / "out" / "checkpoints"
     first = ScdProcess(config)
     scd_processes.append(first)
@@ -274,8 +278,14 @@ def test_vllm_checkpoint_kill_and_restore_trains_on(tiny_llama: Path, tmp_path: 
     scd_processes.append(second)
     assert second.wait(timeout=300) == 0, second.output()[-3000:]
     out = second.output()
-    assert f"restored {bundle}: step {step}" in out
+    assert f"restored {bundle}: step {step}" in out and "trainer: 2 ranks" in out
     assert f"step {step + 3} version {step + 3}" in out and f"step {step} version" not in out
+    log = events(tmp_path / "out" / "events.jsonl")
+    restored_at = max(i for i, e in enumerate(log) if e["event"] == "restore")
+    assert [e["step"] for e in log[restored_at:] if e["event"] == "train_step"] == [step + 1, step + 2, step + 3]
+    steps = [e for e in log if e["event"] == "train_step"]
+    # The engine serves exactly the ranks' weights: on-policy rows agree with the trainer.
+    assert all(e["logprob_mismatch_tokens"] > 0 and e["logprob_mismatch_max"] < 1e-3 for e in steps)
 
 
 # ---- weight sync: in memory, by reload, and what a failed sync leaves --------------------------------
