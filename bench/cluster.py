@@ -21,7 +21,6 @@ import orjson
 
 from bench.run import checkpoint_now, fill, tiny
 from scd.checkpoint import layout
-from scd.checkpoint.restore import restore_state
 from scd.daemon import Controller
 
 GROUPS = 2_000
@@ -44,8 +43,7 @@ async def one_placement(address: str, where: str, tmp: Path, round_: int) -> dic
         checkpoint_s = time.monotonic() - started
     bundle = layout.finalized_bundles(Path(config.checkpointing.dir))[-1]
     async with Controller.open(config) as controller:
-        report = await restore_state(config, controller.state, controller.dataplane, controller.trainer, bundle,
-                                     allow_config_change=False)
+        report = await controller.restore(bundle)
         assert report is not None
         await controller.dataplane.clear_all()
     return {"commit_groups_per_s": GROUPS / commit_s, "checkpoint_s": checkpoint_s,

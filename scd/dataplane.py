@@ -136,14 +136,14 @@ class EmbeddedRay:
         self._release_host = threading.Event()
 
     @classmethod
-    async def start(cls, config: DataPlaneConfig) -> EmbeddedRay:
+    async def start(cls, config: DataPlaneConfig, num_gpus: int) -> EmbeddedRay:
         temp_dir = tempfile.mkdtemp(prefix="scd-ray-")
         embedded = cls(temp_dir, subprocess.Popen(
             [sys.executable, "-m", "scd.reaper", str(os.getpid()), temp_dir],
             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, start_new_session=True))
         try:
             await embedded._wait_for_reaper(config.startup_timeout_s)
-            started = embedded._init_on_host_thread(config.ray.num_cpus)
+            started = embedded._init_on_host_thread(config.ray.num_cpus, num_gpus)
             await _bounded_thread(config.startup_timeout_s, "ray.init", started.result)
         except BaseException:
             with anyio.CancelScope(shield=True):
@@ -161,7 +161,7 @@ class EmbeddedRay:
                                  "data_plane.ray.address to use a Ray cluster instead")
         self._reaper_watching = True
 
-    def _init_on_host_thread(self, num_cpus: int) -> Future[None]:
+    def _init_on_host_thread(self, num_cpus: int, num_gpus: int) -> Future[None]:
         import ray
 
         started: Future[None] = Future()
@@ -173,7 +173,9 @@ class EmbeddedRay:
                 # TQ's actors bind their zmq sockets (pickled messages) to Ray's node IP.  Ray rewrites
                 # 127.0.0.1 to the host's network address (so TQ listened on the network); 127.0.0.2
                 # is loopback and is kept as it is.
-                ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=False,
+                # num_gpus: the trainer ranks' GPUs, the first of those visible; vLLM's engines take the rest.
+                ray.init(address="local", num_cpus=num_cpus, num_gpus=num_gpus, include_dashboard=False,
+                         log_to_driver=False,
                          _node_ip_address="127.0.0.2", _temp_dir=self.temp_dir, logging_level=logging.WARNING)
             except BaseException as exc:
                 started.set_exception(exc)
@@ -213,7 +215,7 @@ class DataPlane:
 
     @classmethod
     @asynccontextmanager
-    async def open(cls, config: DataPlaneConfig) -> AsyncIterator[DataPlane]:
+    async def open(cls, config: DataPlaneConfig, trainer_gpus: int = 0) -> AsyncIterator[DataPlane]:
         """Start (or join) Ray, start (or attach to) TQ; tear down only what this process started."""
         import ray
         import transfer_queue as tq
@@ -226,7 +228,7 @@ class DataPlane:
                 await _bounded_thread(config.startup_timeout_s, "ray.init",
                                       lambda: ray.init(address=config.ray.address, log_to_driver=False))
             else:
-                embedded = await EmbeddedRay.start(config)
+                embedded = await EmbeddedRay.start(config, trainer_gpus)
             started_ray = True
         conf = {"backend": {"SimpleStorage": {"num_data_storage_units": config.storage_units,
                                               "required_node_resource": config.required_node_resource or None}}}

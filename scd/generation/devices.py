@@ -56,10 +56,14 @@ def plan_engine_devices(config: Config) -> list[EngineDevices]:
     vllm = config.generation.vllm
     workers = vllm.engines * vllm.tensor_parallel_size
     if torch.cuda.is_available():
-        free = _gpus_free_of_the_trainer(config.trainer.device)
+        visible = _visible_gpus()
+        trainer_gpus = _trainer_gpus(config, visible)
+        free = [gpu for gpu in visible if gpu not in trainer_gpus]
+        if workers > len(free) and vllm.weight_sync == "reload" and config.trainer.world_size == 1:
+            # One GPU for both: weights by file need no transfer group, so the engine may share it.
+            free = visible
         unit, pool = "GPU", [(gpu,) for gpu in free]
-        trainer_note = f" (trainer.device = {config.trainer.device!r} keeps its own)" \
-            if config.trainer.device.startswith("cuda") else ""
+        trainer_note = f" (the trainer keeps GPU {','.join(trainer_gpus)})" if trainer_gpus else ""
     else:
         cores = sorted(os.sched_getaffinity(0))
         # More cores than workers: the last one stays free for the schedulers, the trainer and scd.
@@ -80,14 +84,20 @@ def plan_engine_devices(config: Config) -> list[EngineDevices]:
     return [EngineDevices(index, kind, tuple(pool[index * tp:(index + 1) * tp])) for index in range(vllm.engines)]
 
 
-def _gpus_free_of_the_trainer(trainer_device: str) -> list[str]:
-    """This process's visible GPUs, as the IDs a child's CUDA_VISIBLE_DEVICES names them, less the trainer's."""
+def _visible_gpus() -> list[str]:
+    """This process's visible GPUs, as the IDs a child's CUDA_VISIBLE_DEVICES names them."""
     visible_env = os.environ.get("CUDA_VISIBLE_DEVICES")
     visible = [d.strip() for d in visible_env.split(",") if d.strip()] if visible_env is not None \
         else [str(i) for i in range(torch.cuda.device_count())]
-    visible = visible[:torch.cuda.device_count()]
-    if trainer_device.startswith("cuda"):
-        index = torch.device(trainer_device).index or 0
-        if index < len(visible):
-            del visible[index]
-    return visible
+    return visible[:torch.cuda.device_count()]
+
+
+def _trainer_gpus(config: Config, visible: list[str]) -> list[str]:
+    """The trainer's GPUs: ``trainer.device``'s in scd's process; at world size N, the first N visible
+    (scd's embedded Ray offers its ranks those: ``Config.trainer_ray_gpus``)."""
+    if not config.trainer.device.startswith("cuda"):
+        return []
+    if config.trainer.world_size > 1:
+        return visible[:config.trainer_ray_gpus()]
+    index = torch.device(config.trainer.device).index or 0
+    return visible[index:index + 1]

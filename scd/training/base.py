@@ -29,6 +29,14 @@ class StepResult:
     slowest_rank_s: float = 0.0
     fastest_rank_s: float = 0.0
 
+    def event_fields(self) -> dict[str, float | int | None]:
+        """The ``train_step`` event's fields from this result."""
+        return {"reward_mean": self.reward_mean, "loss": self.loss, "clip_fraction": self.clip_fraction,
+                "entropy": self.entropy, "trained_tokens": self.tokens,
+                "logprob_mismatch_mean": self.logprob_mismatch_mean, "logprob_mismatch_max": self.logprob_mismatch_max,
+                "logprob_mismatch_tokens": self.logprob_mismatch_tokens,
+                "slowest_rank_ms": self.slowest_rank_s * 1e3, "fastest_rank_ms": self.fastest_rank_s * 1e3}
+
 
 @dataclass(slots=True)
 class StepShare:

@@ -92,7 +92,9 @@ def wait_all(refs: list[Any], places: Sequence[RankPlace], what: str) -> list[An
 def _rank_actor() -> Any:
     import ray
 
-    @ray.remote(max_restarts=0)
+    # Rank 0 writes a checkpoint's files on a thread of their own ("writer"), so the next steps
+    # need not wait for the disk; every other call keeps Ray's one-at-a-time, in-order default.
+    @ray.remote(max_restarts=0, concurrency_groups={"writer": 1})
     class TrainerRank:
         def __init__(self, config: Config, rank: int, world_size: int) -> None:
             self.config, self.rank, self.world_size = config, rank, world_size
@@ -153,9 +155,11 @@ def _rank_actor() -> Any:
             return tensors if self.rank == 0 else None
 
         def capture(self) -> None:
+            # A copy in host memory, of its own: training goes on while the writer thread saves it.
             model, optimizer = self.trainer.state_copy()
             self.captured = (model, optimizer) if self.rank == 0 else None
 
+        @ray.method(concurrency_group="writer")
         def write_captured(self, model_path: str, optimizer_path: str) -> None:
             import torch
 
@@ -180,8 +184,12 @@ class _GroupCapture:
     def __init__(self, group: TrainerGroup, refs: list[Any]) -> None:
         self._group, self._refs = group, refs
 
-    def write(self, model_path: Path, optimizer_path: Path) -> None:
+    def wait_captured(self) -> None:
+        """Until every rank has its part of the capture (the next step starts after it); blocking."""
         self._group.wait_all(self._refs, "a checkpoint's state capture")
+
+    def write(self, model_path: Path, optimizer_path: Path) -> None:
+        self.wait_captured()
         self._group.wait_all([self._group.ranks[0].write_captured.remote(str(model_path), str(optimizer_path))],
                              "writing a checkpoint's trainer state")
 

@@ -54,6 +54,15 @@ def full_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict
     by_name = get_optimizer_state_dict(model, optimizer, options=options)
     if not weights:
         return {}, {}
+    from torch.distributed.tensor import DTensor
+
+    # Gathered shards are new tensors; an unsharded state tensor (AdamW's ``step``) comes back as the
+    # live one, which the next step increments in place under a checkpoint still being written.
+    live = dict(model.named_parameters())
+    for name, state in by_name["state"].items():
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor) and not isinstance(optimizer.state[live[name]][key], DTensor):
+                state[key] = value.clone()
     index = {name: i for i, name in enumerate(_parameter_names(model))}
     return weights, {
         "state": {index[name]: state for name, state in by_name["state"].items()},

@@ -1,0 +1,145 @@
+"""The trainer at world size 2 (two FSDP2 ranks on Ray, gloo) against world size 1 (scd's process).
+
+``trainer_world2_vs_world1_steps_ratio``: train steps/s at world size 2 ÷ world size 1 on the tiny
+Llama, interleaved (1 2 1 2 ...), the median of the per-pair ratios and their spread.  On a 2-core
+box both ranks share the cores the single trainer had, so this measures the group's overhead
+(Ray calls, the rows shipped to the ranks, gloo's collectives), not a speed-up.
+
+At a Llama of about 100M parameters (hidden 768, 12 layers):
+
+* ``weight_export_ms_100m_world{1,2}``: a whole weight sync's read of every tensor of
+  ``live_weights()`` into a host buffer, as a generation backend reads it: at world size 1 the
+  trainer's own tensors, at 2 a decoder layer at a time gathered from the shards on rank 0.
+* ``trainer_state_capture_ms_100m``: a checkpoint's state capture at world size 2, until every
+  rank holds its part: the train pump does not wait for it (``..._submit_ms``: what it does wait
+  for), but the next step starts on the ranks after it.  ``trainer_state_write_ms_100m``: the
+  capture and rank 0's write of the bundle's two files, on a thread of rank 0's own, which the
+  checkpoint writer waits for off the critical path.  ``..._world1``: the copy to host memory a
+  trainer in scd's process makes while the pump waits.
+
+``python -m bench.trainer_group`` runs only these and merges their keys into bench/results/summary.json.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+from tempfile import TemporaryDirectory
+from typing import Any
+
+import anyio
+import torch
+
+from bench.summary import merge_and_print
+from scd.config import Config, derive_config
+from scd.records import Rollout
+from scd.training.group import TrainerGroup
+from scd.training.grpo import GRPOTrainer
+from scd.training.init_tiny import TinyLlamaShape, init_tiny
+from scd.training.policy import build_policy
+
+REPO = Path(__file__).resolve().parents[1]
+GROUPS, ROWS, PAIRS, STEPS = 8, 8, 4, 6
+GOALS: dict[str, tuple[str, float]] = {}
+
+
+def config(tmp: Path, model: Path, world_size: int) -> Config:
+    return derive_config(REPO / "configs" / "tiny.toml", {"run": {"output_dir": str(tmp)}}, {
+        "model": {"name": str(model)}, "data_plane": {"ray": {"num_cpus": 5}},
+        "trainer": {"world_size": world_size, "groups_per_step": GROUPS}})
+
+
+def batch(seed: int) -> list[list[Rollout]]:
+    generator = torch.Generator().manual_seed(seed)
+    return [[Rollout(torch.randint(4, 50, (13,), generator=generator), -torch.rand(8, generator=generator), 5,
+                     reward=float(torch.rand((), generator=generator)), weight_version=0)
+             for _ in range(ROWS)] for _ in range(GROUPS)]
+
+
+def timed(fn: Callable[[], Any]) -> float:
+    started = time.perf_counter()
+    fn()
+    return time.perf_counter() - started
+
+
+def read_all(weights: Any) -> None:
+    """Every tensor into a host buffer of its own, in order: a backend's read of a sync."""
+    for name in weights:
+        torch.empty_like(weights[name], device="cpu").copy_(weights[name])
+
+
+async def steps_ratio(tmp: Path, model: Path) -> dict[str, float]:
+    one = GRPOTrainer(config(tmp, model, 1), build_policy(config(tmp, model, 1).model, 0))
+    ratios, rates = [], {1: [], 2: []}
+    async with TrainerGroup.open(config(tmp, model, 2)) as two:
+        await anyio.to_thread.run_sync(two.step, batch(0), 0)  # warm-up: the first step builds state
+        one.step(batch(0), 0)
+        for pair in range(PAIRS):
+            per_s = {}
+            for world, step in ((1, one.step), (2, two.step)):
+                span = await anyio.to_thread.run_sync(
+                    timed, lambda step=step, first=pair * STEPS: [step(batch(first + i), 0) for i in range(STEPS)])
+                per_s[world] = STEPS / span
+                rates[world].append(per_s[world])
+            ratios.append(per_s[2] / per_s[1])
+    return {"trainer_world2_vs_world1_steps_ratio": statistics.median(ratios),
+            "trainer_world2_vs_world1_steps_ratio_spread": max(ratios) - min(ratios),
+            "trainer_world1_steps_per_s": statistics.median(rates[1]),
+            "trainer_world2_steps_per_s": statistics.median(rates[2])}
+
+
+def in_process(tmp: Path, model: Path, repeats: int) -> tuple[int, list[float], list[float]]:
+    """World size 1: parameters, export and capture seconds (the trainer is freed on return)."""
+    one_config = config(tmp, model, 1)
+    one = GRPOTrainer(one_config, build_policy(one_config.model, 0))
+    return (sum(p.numel() for p in one.model.parameters()),
+            [timed(lambda: read_all(one.live_weights())) for _ in range(repeats)],
+            [timed(one.capture_state) for _ in range(repeats)])
+
+
+async def at_100m(tmp: Path, model: Path, repeats: int = 3) -> dict[str, float]:
+    params, export_1, capture_1 = await anyio.to_thread.run_sync(in_process, tmp, model, repeats)
+    export_2, submit_2, capture_2, write_2 = [], [], [], []
+    async with TrainerGroup.open(config(tmp, model, 2)) as two:
+        for k in range(repeats):
+            export_2.append(await anyio.to_thread.run_sync(timed, lambda: read_all(two.live_weights())))
+            started = time.perf_counter()
+            capture = two.capture_state()
+            submit_2.append(time.perf_counter() - started)
+            await anyio.to_thread.run_sync(capture.wait_captured)
+            capture_2.append(time.perf_counter() - started)
+            await anyio.to_thread.run_sync(capture.write, tmp / f"model-{k}.pt", tmp / f"optimizer-{k}.pt")
+            write_2.append(time.perf_counter() - started)
+    ms = lambda samples: 1e3 * statistics.median(samples)  # noqa: E731
+    return {"model_parameters_100m": float(params),
+            "weight_export_ms_100m_world1": ms(export_1), "weight_export_ms_100m_world2": ms(export_2),
+            "trainer_state_capture_ms_100m": ms(capture_2), "trainer_state_capture_submit_ms_100m": ms(submit_2),
+            "trainer_state_write_ms_100m": ms(write_2),
+            "trainer_state_capture_ms_100m_world1": ms(capture_1)}
+
+
+async def figures(tmp: Path) -> dict[str, float]:
+    """Every figure above (Ray must be up with 4 free logical CPUs)."""
+    small = init_tiny(tmp / "tiny-llama")
+    large = init_tiny(tmp / "llama-100m", TinyLlamaShape(hidden_size=768, num_layers=12, num_heads=12))
+    return {**await steps_ratio(tmp, small), **await at_100m(tmp, large)}
+
+
+async def main() -> None:
+    import ray
+
+    ray.init(address="local", num_cpus=5, include_dashboard=False, log_to_driver=False,
+             _node_ip_address="127.0.0.2", logging_level=logging.WARNING)
+    try:
+        with TemporaryDirectory(dir=REPO / "bench") as tmp:
+            summary = await figures(Path(tmp))
+    finally:
+        ray.shutdown()
+    merge_and_print(summary, GOALS)
+
+
+if __name__ == "__main__":
+    anyio.run(main)
