@@ -28,6 +28,12 @@ BAD_CONFIGS = [
      "data_plane.checkpointing_enabled"),
     ("[data_plane]\nenabled = false\n", "data_plane.enabled"),
     ("[generation]\nbatch_groups = 4\n", "generation.batch_groups"),
+    ("[trainer]\nworld_size = 0\n", "trainer.world_size"),
+    ("[trainer]\nworld_size = 4\ngroups_per_step = 2\n[data_plane.ray]\nnum_cpus = 8\n", "trainer.groups_per_step"),
+    ("[trainer]\nworld_size = 2\n", "data_plane.ray.num_cpus"),  # TQ's 2 CPUs and 2 ranks' do not fit in 3
+    ("[trainer]\nworld_size = 2\nparam_dtype = 'bfloat16'\n[data_plane.ray]\nnum_cpus = 5\n", "trainer.param_dtype"),
+    ("[trainer]\nactivation_checkpointing = true\n", "trainer.activation_checkpointing"),
+    ("[trainer]\nresources_per_rank = {CPU = 0}\n", "trainer.resources_per_rank"),
 ]
 
 
