@@ -14,7 +14,7 @@ Layering, bottom to top (a module imports only from layers below it):
    together and the only code that mutates them, each mutation under the
    barrier; TQ rows are written through a protocol handed in.
 3. Adapters to the outside world: ``dataplane`` (TransferQueue on Ray, every
-   call bounded), ``training`` (the policy seam and GRPO), ``generation``
+   call bounded), ``training`` (the policy seam, GRPO, and the trainer as FSDP2 ranks on Ray), ``generation``
    (torch, vLLM or the synthetic load-testing engine), ``telemetry`` (Prometheus, events,
    experiment trackers),
    ``systemd`` (sd_notify), ``reaper`` (a process of its own, standard library only, that
