@@ -23,7 +23,8 @@ Layering, bottom to top (a module imports only from layers below it):
    siblings and their staging, scoring, the committer, paced admission); it
    wakes the pumps through a callback and never sees the controller.
    ``goodput``: how busy generation is, its bound, what it wastes; it reads the
-   rollouts, the backend and each train step, never the controller.
+   rollouts, the backend and each train step, never the controller.  ``risk``:
+   the loss window, what a crash now would lose.
 5. ``checkpoint``: the bundle layout, save, restore and offline verify.  It
    works on the state, the data plane, the trainer and the rollouts, never the
    controller; restore is one path from bundle to the first admission.

@@ -187,7 +187,13 @@ class AsyncRLConfig(_Section):
 class CheckpointingConfig(_Section):
     enabled: bool = False
     dir: str = "checkpoints"
-    interval_s: float = 300.0
+    # Seconds between checkpoints, or "auto": the Young/Daly optimum sqrt(2 x cost x MTBF) from the
+    # measured cost of recent checkpoints (scd/checkpoint/interval.py), within the two clamps below.
+    interval_s: float | Literal["auto"] = 300.0
+    # The mean time between failures "auto" assumes; 0 = estimated from the run's own crash restarts.
+    mtbf_s: float = 0.0
+    min_interval_s: float = 60.0
+    max_interval_s: float = 3600.0
     keep_last: int = 2
     max_consecutive_failures: int = 3
 
@@ -478,7 +484,11 @@ def validate(config: Config) -> None:
     _require(config.model.max_len >= 2 * task.max_digits + 2, "model.max_len",
              f"too short for prompts of {task.max_digits} digits and their answers")
     _require(ckpt.keep_last >= 2, "checkpointing.keep_last", f"must be >= 2, got {ckpt.keep_last}")
-    _require(ckpt.interval_s > 0, "checkpointing.interval_s", "must be > 0")
+    _require(ckpt.interval_s == "auto" or ckpt.interval_s > 0, "checkpointing.interval_s",
+             'must be > 0 or "auto"')
+    _require(ckpt.mtbf_s >= 0, "checkpointing.mtbf_s", "must be >= 0 (0: estimated from the run's crashes)")
+    _require(0 < ckpt.min_interval_s <= ckpt.max_interval_s, "checkpointing.min_interval_s",
+             f"must be > 0 and <= checkpointing.max_interval_s, got {ckpt.min_interval_s} and {ckpt.max_interval_s}")
     _require(ckpt.max_consecutive_failures >= 1, "checkpointing.max_consecutive_failures", "must be >= 1")
     _require(0 <= tel.metrics_port <= 65535, "telemetry.metrics_port", "must be a port number (0 = any)")
     _require(tel.telemetry_interval_s >= 0, "telemetry.telemetry_interval_s", "must be >= 0 (0 = off)")

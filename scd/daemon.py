@@ -99,7 +99,7 @@ class Controller:
         self.rollouts = Rollouts(config, self.state, policy, prompts, self._notify)
         self.goodput = GoodputMeter(config, self.rollouts, backend)
         self.events = EventLog.with_trackers(config.telemetry, Path(config.run.output_dir), lambda: self.state.run)
-        self.checkpointer = (Checkpointer(config, self.events, self.state, dataplane, self.trainer)
+        self.checkpointer = (Checkpointer(config, self.events, self.state, dataplane, self.trainer, self.goodput.risk)
                              if config.checkpointing.enabled else None)
         self.metrics_port: int | None = None
         self.ready = False
@@ -331,7 +331,7 @@ class Controller:
     async def checkpoint_scheduler(self, triggers: Triggers) -> None:
         """Every ``interval_s``, or at once on request: a checkpoint falls due at the next step boundary."""
         while True:
-            with anyio.move_on_after(self.config.checkpointing.interval_s) as timer:
+            with anyio.move_on_after(self.checkpointer.interval.seconds()) as timer:
                 await triggers.checkpoint_now.wait()
             triggers.checkpoint_now = anyio.Event()
             if self._checkpoint_due is None:

@@ -5,7 +5,8 @@ At the n-th passage (default 1) of a named point the process dies with
 point raises ``OSError(ENOSPC)`` (action ``enospc``, a full disk) or
 ``FaultInjected`` (action ``fail``, an error in the code there), or, at a
 point passed on the event loop (``wait_at``), the task passing it waits forever
-(action ``block``, a hung dependency).  A point named more than once acts at
+(action ``block``, a hung dependency) or ``SLOW_S`` seconds (action ``slow``, a
+slow save).  A point named more than once acts at
 each passage named (``mid_weight_broadcast:1=fail,mid_weight_broadcast:2=fail``).
 Unset in production; passing a point is then one dict lookup.  In-process tests
 arm points for a block with ``armed``.
@@ -27,8 +28,9 @@ POINTS = (
     "after_finalize_before_latest", "during_retention", "during_restore_tq_load", "during_restore_index",
     "before_dispatch", "mid_weight_broadcast", "during_weight_reload",
 )
-ACTIONS = ("exit", "enospc", "block", "fail")
-EVENT_LOOP_POINTS = ("before_dispatch",)  # passed with ``wait_at``: the only ones that can block
+ACTIONS = ("exit", "enospc", "block", "fail", "slow")
+EVENT_LOOP_POINTS = ("before_dispatch", "in_exclusive_hold")  # passed with ``wait_at``: the only ones that wait
+SLOW_S = 0.5
 
 
 class FaultInjected(RuntimeError):
@@ -43,10 +45,10 @@ def _parse(spec: str) -> dict[str, tuple[list[int], dict[int, str]]]:
         point, _, count = target.partition(":")
         action = action or "exit"
         if (point not in POINTS or action not in ACTIONS or (count and not count.isdigit())
-                or (action == "block" and point not in EVENT_LOOP_POINTS)):
+                or (action in ("block", "slow") and point not in EVENT_LOOP_POINTS)):
             raise SystemExit(f"scd: error: SCD_FAULT={spec!r}: unknown point or action in {item!r}; "
                              f"points: {', '.join(POINTS)}; actions: {', '.join(ACTIONS)} "
-                             f"(block only at {', '.join(EVENT_LOOP_POINTS)})")
+                             f"(block and slow only at {', '.join(EVENT_LOOP_POINTS)})")
         faults.setdefault(point, ([0], {}))[1][int(count or 1)] = action
     return faults
 
@@ -84,7 +86,9 @@ async def wait_at(point: str) -> None:
     if action == "block":
         sys.stderr.write(f"scd: SCD_FAULT: blocking at {point}\n")
         await anyio.sleep_forever()
-    if action is not None:
+    if action == "slow":
+        await anyio.sleep(SLOW_S)
+    elif action is not None:
         _act(point, action)
 
 

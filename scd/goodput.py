@@ -36,6 +36,7 @@ from anyio.abc import TaskStatus
 from scd.config import Config
 from scd.generation.base import BusyClock, EngineActivity, GenerationBackend
 from scd.replay import GroupMeta
+from scd.risk import WorkAtRisk
 from scd.rollouts import Rollouts
 from scd.telemetry import metrics
 
@@ -94,6 +95,7 @@ class GoodputMeter:
         self._trained_groups = self._trained_group_tokens = 0
         self._own_trained_tokens = 0  # of groups this run committed: its goodput
         self._trainer_starved = BusyClock()
+        self.risk = WorkAtRisk(rollouts, backend)
         self._started_wall = time.time()
         self._generated_at_start = self._wasted_at_start = 0
         # The last estimates, kept while the window holds no train step (R_t) or no busy time (R_g).
@@ -123,6 +125,7 @@ class GoodputMeter:
         while True:
             await anyio.sleep(SAMPLE_PERIOD_S)
             self.sample()
+            self.risk.publish()
 
     @contextmanager
     def trainer_starved(self) -> Iterator[None]:

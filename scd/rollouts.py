@@ -96,6 +96,7 @@ class RolloutsStatistics:
     wasted_tokens: int  # generated tokens thrown away, for any WasteReason
     groups_with_finished_siblings: int
     finished_siblings: int  # held in memory for groups still in flight, staged or not
+    staged_tokens: int  # completion tokens of the finished siblings staged in TQ (what a cut keeps of them)
 
 
 def _held_groups_limit(config: Config, sampler: Sampler) -> float:
@@ -148,7 +149,14 @@ class Rollouts:
             wasted_tokens=self._wasted_tokens,
             groups_with_finished_siblings=len(self._finished),
             finished_siblings=sum(len(siblings) for siblings in self._finished.values()),
+            staged_tokens=self._staged_tokens(),
         )
+
+    def _staged_tokens(self) -> int:
+        ledger = self._state.ledger
+        return sum(len(siblings[index].token_ids) for group_id, siblings in self._finished.items()
+                   if ledger.state_of(group_id) is not None
+                   for index, _ in ledger.entry(group_id).staged if index in siblings)
 
     def finished_siblings(self, group_id: str) -> dict[int, Completion]:
         """A copy of ``group_id``'s finished siblings by index (empty when none)."""

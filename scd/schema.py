@@ -107,6 +107,8 @@ class RunIdentity(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
     run_id: str  # the W&B run id; the MLflow run is tagged with it; the TensorBoard run directory's name
     started_at: float  # wall-clock time of the run's first start: the trackers' time axis counts from it
+    # Restarts that restored a bundle other than a clean exit's (a crash came before): the MTBF estimate.
+    crash_restores: int = 0
 
 
 def new_run_identity() -> RunIdentity:
@@ -136,6 +138,9 @@ class TrainingInfo(_Document):
     storage_units: int | None = None
     # None in bundles written before it was recorded: a restore from one starts a new tracker run.
     run: RunIdentity | None = None
+    # What took the bundle ("" before it was recorded): a restore from any but a clean exit's
+    # ("final", "shutdown") follows a crash.
+    trigger: str = ""
 
 
 class LedgerEntryRecord(msgspec.Struct, array_like=True, forbid_unknown_fields=True):

@@ -34,6 +34,9 @@ BAD_CONFIGS = [
     ("[trainer]\nworld_size = 2\nparam_dtype = 'bfloat16'\n[data_plane.ray]\nnum_cpus = 5\n", "trainer.param_dtype"),
     ("[trainer]\nactivation_checkpointing = true\n", "trainer.activation_checkpointing"),
     ("[trainer]\nresources_per_rank = {CPU = 0}\n", "trainer.resources_per_rank"),
+    ("[checkpointing]\ninterval_s = 'often'\n", "checkpointing.interval_s"),
+    ("[checkpointing]\ninterval_s = 'auto'\nmin_interval_s = 600\nmax_interval_s = 60\n",
+     "checkpointing.min_interval_s"),
 ]
 
 

@@ -161,12 +161,14 @@ def test_empty_file_raises(tmp_path: Path) -> None:
 
 DASHBOARD = REPO / "configs" / "grafana" / "scd-dashboard.json"
 ROWS = ("Generation", "Goodput", "Usable output", "Checkpoint latency", "Backpressure", "Reliability", "Restore",
-        "Recovery efficiency", "Snapshot size")
+        "Recovery efficiency", "Snapshot size", "Loss window and trainer ranks")
 REQUIRED_METRICS = {
     "scd_generation_tokens_total", "scd_committed_tokens_total", "scd_committed_groups_total",
     "scd_checkpoint_phase_seconds_bucket", "scd_checkpoint_blocked_mutations_total", "scd_checkpoint_attempts_total",
     "scd_restore_phase_seconds_bucket", "scd_recovery_groups_restored", "scd_checkpoint_sidecar_bytes",
     "scd_engine_busy_ratio", "scd_engine_busy_bound", "scd_generation_waste_ratio", "scd_goodput_ratio",
+    "scd_work_at_risk_tokens", "scd_work_at_risk_seconds", "scd_checkpoint_interval_seconds",
+    "scd_trainer_rank_step_seconds", "scd_trainer_world_size",
 }
 PROMQL_WORDS = {"rate", "increase", "sum", "by", "le", "histogram_quantile", "time"}
 

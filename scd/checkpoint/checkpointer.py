@@ -22,6 +22,7 @@ from anyio.abc import TaskStatus
 
 from scd.barrier import MutationKind
 from scd.checkpoint import layout
+from scd.checkpoint.interval import CheckpointInterval, cost_of
 from scd.checkpoint.save import (
     BundleContext,
     PendingBundle,
@@ -34,6 +35,7 @@ from scd.checkpoint.save import (
 from scd.config import Config
 from scd.dataplane import DataPlane
 from scd.errors import InvariantViolation, ScdError
+from scd.risk import WorkAtRisk
 from scd.schema import OUTCOME_REASONS, CheckpointPhase, Outcome, SkipReason, Trigger
 from scd.state import ControllerState
 from scd.telemetry import metrics
@@ -59,7 +61,7 @@ class CheckpointerStatistics:
 
 class Checkpointer:
     def __init__(self, config: Config, events: EventLog, state: ControllerState, dataplane: DataPlane,
-                 trainer: Trainer) -> None:
+                 trainer: Trainer, risk: WorkAtRisk) -> None:
         ckpt = config.checkpointing
         self.root = Path(ckpt.dir)
         self.keep_last = ckpt.keep_last
@@ -67,7 +69,7 @@ class Checkpointer:
         self.events = events
         self.last_completed_step: int | None = None
         self.consecutive_failures = 0
-        self._state, self._dataplane, self._trainer = state, dataplane, trainer
+        self._state, self._dataplane, self._trainer, self._risk = state, dataplane, trainer, risk
         self._context = BundleContext(
             partition=config.data_plane.partition, storage_units=config.data_plane.storage_units,
             capacity=config.admission_capacity_groups(),
@@ -79,7 +81,8 @@ class Checkpointer:
         self._to_writer, self._writer_in = anyio.create_memory_object_stream[PendingBundle](0)
         self._idle = anyio.Event()
         self._idle.set()
-        metrics.checkpoint_interval.set(ckpt.interval_s)
+        self.interval = CheckpointInterval(ckpt, lambda: state.run)
+        self.interval.seconds()
         for outcome, reason in OUTCOME_REASONS:
             metrics.checkpoint_attempts.labels(outcome.value, reason)
         for phase in CheckpointPhase:
@@ -98,6 +101,7 @@ class Checkpointer:
         """The run continues from a bundle: it is the last success, in step and in time."""
         self.last_completed_step = step
         self._last_success_wall = bundle_time
+        self._risk.restored(bundle_time)
 
     def newest_good_bundle(self) -> str:
         bundles = layout.finalized_bundles(self.root)
@@ -145,6 +149,7 @@ class Checkpointer:
             self.root.mkdir(mode=layout.DIR_MODE, parents=True, exist_ok=True)
             tmp.mkdir(mode=layout.DIR_MODE)
             cut, window = await capture_cut(self._state, self._dataplane, phases)
+            at_cut = self._risk.mark_cut()
         except Exception as exc:
             await self._failed(tmp, trigger, exc, step)
             return Outcome.FAILED
@@ -164,7 +169,7 @@ class Checkpointer:
                 raise
             await self._failed(tmp, trigger, exc, step)
             return Outcome.FAILED
-        pending = PendingBundle(cut, window, trainer_state, tmp, final, trigger, phases, started)
+        pending = PendingBundle(cut, window, trainer_state, at_cut, tmp, final, trigger, phases, started)
         self._idle = anyio.Event()
         await self._to_writer.send(pending)
         await self._record(Outcome.SCHEDULED, trigger.value, step)
@@ -213,12 +218,15 @@ class Checkpointer:
             metrics.checkpoint_effective_cadence.set(now - self._last_success_wall)
         self.last_completed_step = step
         self.consecutive_failures = 0
+        self.interval.observe(pending.phases)
+        self._risk.finalized(pending.at_cut)
         log.info("checkpoint %s (%s): total %.3fs, tq_save %.3fs, exclusive hold %.1f ms, %d groups",
                  pending.final.name, pending.trigger.value, pending.phases[CheckpointPhase.TOTAL],
                  pending.phases[CheckpointPhase.TQ_SAVE], 1000 * pending.phases[CheckpointPhase.EXCLUSIVE_HOLD],
                  len(pending.cut.groups))
         await self._record(Outcome.COMPLETED, pending.trigger.value, step, bundle=str(pending.final),
-                           phases=pending.phases, groups=len(pending.cut.groups), **sizes)
+                           phases=pending.phases, groups=len(pending.cut.groups), cost_s=cost_of(pending.phases),
+                           interval_s=self.interval.seconds(), **sizes)
         self._last_success_wall = now
         return Outcome.COMPLETED
 

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import TypeVar
 
 import anyio
+import msgspec
 
 from scd import faults
 from scd.checkpoint import layout
@@ -50,7 +51,7 @@ from scd.records import Completion
 from scd.replay import ReplayIndex, require_cut_inventory, require_exact_inventory
 from scd.rollouts import Rollouts
 from scd.samplers import DispatchView, SamplerStateError
-from scd.schema import RestorePhase, SchemaError, TrainingInfo, decode
+from scd.schema import RestorePhase, RunIdentity, SchemaError, TrainingInfo, Trigger, decode
 from scd.state import ControllerState, Restored
 from scd.telemetry import metrics
 from scd.telemetry.events import EventLog
@@ -258,6 +259,14 @@ def check_against_config(config: Config, state: ControllerState, verified: Verif
             refuse(str(exc))
 
 
+def after_a_crash(info: TrainingInfo) -> RunIdentity:
+    """The bundle's run, a crash restart counted unless the bundle is a clean exit's (its last)."""
+    assert info.run is not None
+    if info.trigger in (Trigger.FINAL.value, Trigger.SHUTDOWN.value):
+        return info.run
+    return msgspec.structs.replace(info.run, crash_restores=info.run.crash_restores + 1)
+
+
 async def restore_state(config: Config, parts: RestoreParts, restore_from: Path | None,
                         allow_config_change: bool, discard_newer: bool = False) -> RestoreReport | None:
     """The newest finalized bundle (or ``restore_from``) put back, up to the first admission; None for
@@ -321,7 +330,7 @@ async def restore_state(config: Config, parts: RestoreParts, restore_from: Path 
     state.install(Restored(
         step=info.step, weight_version=info.weight_version, dataloader=dataloader, index=index,
         ledger=verified.ledger, sampler_state=sidecar.sampler.state, shadow=shadow, fates=sidecar.prompt_fates,
-        run=info.run,
+        run=after_a_crash(info) if info.run is not None else None,
     ))
     clock.lap(RestorePhase.LEDGER)
 

@@ -27,6 +27,7 @@ from scd.checkpoint import layout
 from scd.dataplane import DataPlane, SaveWindow
 from scd.errors import DataPlaneError, InvariantViolation, ShortRead
 from scd.replay import require_cut_inventory
+from scd.risk import CutMark
 from scd.schema import (
     CheckpointPhase,
     DataloaderDocument,
@@ -73,6 +74,7 @@ class PendingBundle:
     cut: Cut
     window: SaveWindow
     trainer_state: StateCapture
+    at_cut: CutMark  # the work the cut holds, for the loss window once the bundle is final
     tmp: Path
     final: Path
     trigger: Trigger
@@ -94,7 +96,7 @@ async def capture_cut(state: ControllerState, dataplane: DataPlane, phases: dict
     wait_started = time.monotonic()
     async with state.barrier.exclusive() as hold:
         held_from = time.monotonic()
-        faults.hit("in_exclusive_hold")
+        await faults.wait_at("in_exclusive_hold")
         phases[CheckpointPhase.BARRIER_WAIT] = held_from - wait_started
         cut = state.snapshot()
         window = dataplane.open_save_window()
@@ -180,7 +182,7 @@ def write_bundle(pending: PendingBundle, keep_last: int, context: BundleContext)
         samples=sum(len(g.sample_ids) for g in cut.groups), capacity=context.capacity, time=cut.captured_at,
         config_fingerprint=context.fingerprint, config_fingerprint_fields=context.fingerprint_fields,
         files=files, sidecar_bytes=len(sidecar), data_plane_bytes=data_plane_bytes,
-        storage_units=context.storage_units, run=cut.run,
+        storage_units=context.storage_units, run=cut.run, trigger=pending.trigger.value,
     ), indent=True))
     layout.fsync_tree(tmp)
     lap(CheckpointPhase.FSYNC)

@@ -119,7 +119,11 @@ checkpoint_seconds_since_success = Gauge(
 )
 checkpoint_sidecar_bytes = Gauge("scd_checkpoint_sidecar_bytes", "Bytes of the last replay metadata sidecar")
 checkpoint_data_plane_bytes = Gauge("scd_checkpoint_data_plane_bytes", "Bytes of the last TQ native snapshot")
-checkpoint_interval = Gauge("scd_checkpoint_interval_seconds", "Configured checkpoint interval")
+work_at_risk_tokens = Gauge("scd_work_at_risk_tokens",
+                            "Generated tokens the newest finalized bundle would not give back")
+work_at_risk_seconds = Gauge("scd_work_at_risk_seconds", "Age of the newest finalized bundle's cut")
+checkpoint_interval = Gauge("scd_checkpoint_interval_seconds",
+                            "The checkpoint interval in force (interval_s = auto: the Young/Daly optimum)")
 checkpoint_effective_cadence = Gauge(
     "scd_checkpoint_effective_cadence_seconds", "Time between the last two completed checkpoints"
 )

@@ -1,0 +1,123 @@
+"""The loss window, live: the checkpoint interval set from what checkpoints cost (Young/Daly), and
+the work a crash now would lose, on a real daemon (synthetic engine, the session's TQ)."""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from pathlib import Path
+
+import anyio
+import msgspec
+import orjson
+import pytest
+from prometheus_client import REGISTRY
+
+from scd import faults
+from scd.checkpoint.interval import CheckpointInterval, young_daly
+from scd.checkpoint.restore import after_a_crash
+from scd.config import CheckpointingConfig
+from scd.daemon import Controller, Triggers
+from scd.schema import RunIdentity, TrainingInfo
+from tests.conftest import tiny_config
+
+MTBF_S, MIN_S, MAX_S = 20.0, 0.2, 2.5
+
+
+def gauge(name: str) -> float:
+    value = REGISTRY.get_sample_value(name)
+    assert value is not None, name
+    return value
+
+
+def completed_checkpoints(events: Path) -> list[dict]:
+    return [e for e in map(orjson.loads, events.read_bytes().splitlines())
+            if e["event"] == "checkpoint" and e["outcome"] == "completed"]
+
+
+async def run_until(controller: Controller, done: int) -> None:
+    """Train until ``done`` checkpoints have completed in all, then drain."""
+    triggers = Triggers()
+    assert controller.checkpointer is not None
+    checkpointer = controller.checkpointer
+
+    async def watch() -> None:
+        while checkpointer.statistics().completed < done:
+            await anyio.sleep(0.05)
+        triggers.shutdown.set()
+
+    with anyio.fail_after(120):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(watch)
+            await controller.run(triggers, max_steps=100_000)
+
+
+async def test_the_auto_interval_follows_a_slower_save_within_its_clamps_and_the_risk_is_live(
+        tmp_path: Path, partition: str) -> None:
+    config = tiny_config(
+        tmp_path, partition,
+        checkpointing={"enabled": True, "dir": str(tmp_path / "checkpoints"), "interval_s": "auto",
+                       "mtbf_s": MTBF_S, "min_interval_s": MIN_S, "max_interval_s": MAX_S},
+        generation={"backend": "synthetic", "max_inflight_prompts": 16,
+                    "synthetic": {"tokens_per_s": 20_000.0, "min_completion_tokens": 4, "max_completion_tokens": 12,
+                                  "batch_groups": 4, "max_concurrent_batches": 4}})
+    events = Path(config.telemetry.events_path)
+    async with Controller.open(config) as controller:
+        assert gauge("scd_checkpoint_interval_seconds") == MIN_S  # nothing measured yet: measure early
+        await run_until(controller, 5)
+        fast = completed_checkpoints(events)
+        cost = statistics.median(e["cost_s"] for e in fast[-5:])
+        assert fast[-1]["interval_s"] == min(max(young_daly(cost, MTBF_S), MIN_S), MAX_S)
+        assert fast[-1]["interval_s"] < 1.0, fast[-1]  # milliseconds of cost: well under a second
+
+        # Every cut from now on holds the barrier SLOW_S longer: the median cost follows after three.
+        # (A drain's own checkpoint completed after the first five.)
+        slow = ",".join(f"in_exclusive_hold:{n}=slow" for n in range(1, 20))
+        with faults.armed(slow):
+            await run_until(controller, len(fast) + 5)
+        later = completed_checkpoints(events)[len(fast):]
+        assert all(e["cost_s"] >= faults.SLOW_S for e in later)
+        assert young_daly(statistics.median(e["cost_s"] for e in later), MTBF_S) > MAX_S
+        assert later[-1]["interval_s"] == MAX_S == gauge("scd_checkpoint_interval_seconds")
+
+        # The loss window: the newest bundle's cut is seconds old at most, and generation since
+        # then is at risk until the next one.
+        risk = controller.goodput.risk
+        assert 0 <= risk.seconds() < MAX_S + 30
+        assert risk.tokens() >= 0
+        before = risk.tokens()
+        with anyio.fail_after(30):
+            while risk.tokens() <= before:
+                await controller.run(max_steps=controller.state.trainer_step + 1)
+        controller.goodput.risk.publish()
+        assert gauge("scd_work_at_risk_tokens") == risk.tokens() > before
+        assert math.isfinite(gauge("scd_work_at_risk_seconds"))
+        await controller.dataplane.clear_all()
+
+
+def test_mtbf_is_the_run_s_age_over_its_crash_restarts_and_a_clean_exit_is_no_crash() -> None:
+    run = RunIdentity(run_id="r", started_at=time.time() - 1000.0)
+    info = msgspec.structs.replace(decode_info_template(), run=run)
+    crashed = after_a_crash(msgspec.structs.replace(info, trigger="interval"))
+    assert crashed.crash_restores == 1
+    assert after_a_crash(msgspec.structs.replace(info, trigger="final")).crash_restores == 0
+    assert after_a_crash(msgspec.structs.replace(info, trigger="shutdown")).crash_restores == 0
+    twice = after_a_crash(msgspec.structs.replace(info, run=crashed, trigger="signal"))
+    estimated = CheckpointInterval(CheckpointingConfig(interval_s="auto"), lambda: twice)
+    assert estimated.mtbf_s() == pytest.approx(500.0, rel=0.01)
+    assert CheckpointInterval(CheckpointingConfig(interval_s="auto"), lambda: run).mtbf_s() == math.inf
+    assert CheckpointInterval(CheckpointingConfig(interval_s="auto", mtbf_s=7.0), lambda: twice).mtbf_s() == 7.0
+    # No crash yet: the longest interval; the first measurement comes at the shortest.
+    no_crash = CheckpointInterval(CheckpointingConfig(interval_s="auto", min_interval_s=5, max_interval_s=600),
+                                  lambda: run)
+    assert no_crash.seconds() == 5
+    no_crash.observe({"train_pump_blocked": 0.01, "state_copy": 0.02, "mutations_blocked": 0.0, "tq_save": 9.0})
+    assert no_crash.cost_s() == pytest.approx(0.03) and no_crash.seconds() == 600
+
+
+def decode_info_template() -> TrainingInfo:
+    return TrainingInfo(step=1, weight_version=1, epoch=0, group_size=2, sampler="windowed",
+                        supports_replay_checkpoint=True, partition="p", replay_digest="", groups=0, samples=0,
+                        capacity=1, time=0.0, config_fingerprint="", config_fingerprint_fields={}, files={},
+                        sidecar_bytes=0, data_plane_bytes=0)
