@@ -194,6 +194,9 @@ class CheckpointingConfig(_Section):
     mtbf_s: float = 0.0
     min_interval_s: float = 60.0
     max_interval_s: float = 3600.0
+    # Siblings part-way at a cut (and finished ones not yet staged) go into the bundle, and a restore
+    # resumes them from there on a backend that can (vLLM, synthetic); off, they are generated again.
+    capture_prefixes: bool = True
     keep_last: int = 2
     max_consecutive_failures: int = 3
 

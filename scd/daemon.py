@@ -99,7 +99,8 @@ class Controller:
         self.rollouts = Rollouts(config, self.state, policy, prompts, self._notify)
         self.goodput = GoodputMeter(config, self.rollouts, backend)
         self.events = EventLog.with_trackers(config.telemetry, Path(config.run.output_dir), lambda: self.state.run)
-        self.checkpointer = (Checkpointer(config, self.events, self.state, dataplane, self.trainer, self.goodput.risk)
+        self.checkpointer = (Checkpointer(config, self.events, self.state, dataplane, self.trainer, self.goodput.risk,
+                                          lambda cut: self.rollouts.partials_at_cut(cut, backend.partial_siblings()))
                              if config.checkpointing.enabled else None)
         self.metrics_port: int | None = None
         self.ready = False

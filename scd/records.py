@@ -29,6 +29,39 @@ class Completion:
     weight_version: int  # the weights generation started under
 
 
+@dataclass(frozen=True, slots=True)
+class Prefix:
+    """A sibling's tokens so far, with each token's behaviour logprob and weight version: valid to
+    resume from whenever it was taken, because tokens only grow."""
+
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    # (index of the run's first token, weight version), ascending in both: a weight sync in "keep"
+    # mode splits a sequence into runs.
+    version_runs: tuple[tuple[int, int], ...]
+
+    @property
+    def oldest_version(self) -> int:
+        return self.version_runs[0][1]
+
+    def continued(self, token_ids: list[int], logprobs: list[float], finish_reason: FinishReason) -> Completion:
+        """The sibling's whole completion: this prefix, then what was generated after it.  Its version
+        is the oldest token's: a row's staleness counts from it."""
+        return Completion([*self.token_ids, *token_ids], [*self.logprobs, *logprobs], finish_reason,
+                          self.oldest_version)
+
+
+@dataclass(frozen=True, slots=True)
+class PartialSibling:
+    """A sibling of an in-flight group, part-way (``finish_reason`` None) or finished and not yet
+    staged, as a backend or the rollouts hold it at a cut."""
+
+    group_id: str
+    index: int
+    prefix: Prefix
+    finish_reason: FinishReason | None = None
+
+
 @dataclass(slots=True)
 class Rollout:
     """One scored sibling of a group, as stored in TQ and trained on."""

@@ -33,7 +33,7 @@ import enum
 import logging
 import math
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 import anyio
@@ -44,8 +44,8 @@ from anyio.streams.memory import MemoryObjectSendStream
 from scd.config import Config
 from scd.errors import InvariantViolation
 from scd.generation.base import GroupRequest, GroupResult
-from scd.ledger import PromptState, StagedSiblings
-from scd.records import COMPLETE, Completion, Rollout
+from scd.ledger import PromptLedger, PromptState, StagedSiblings
+from scd.records import COMPLETE, Completion, PartialSibling, Prefix, Rollout
 from scd.replay import GroupMeta, sample_ids_for
 from scd.samplers import Sampler, gates_dispatch
 from scd.skew import bucket_prompts
@@ -132,6 +132,9 @@ class Rollouts:
                                          [len(ids) for ids, _ in self._encoded], [n for _, n in self._encoded]))
         # Finished siblings of in-flight groups, by group id and sibling index.
         self._finished: dict[str, dict[int, Completion]] = {}
+        # A restore's prefixes of part-way siblings, by group id and sibling index: each request
+        # for the sibling resumes from it, until the sibling finishes.
+        self._prefixes: dict[str, dict[int, Prefix]] = {}
         # Complete groups handed to the committer and not committed yet, by group id: still in flight
         # in the ledger.  A committer that stops (the run ends) leaves them here for the next one.
         self._awaiting: dict[str, GroupResult] = {}
@@ -182,14 +185,19 @@ class Rollouts:
             and state.sampler.may_dispatch(state.trainer_step)
         )
 
+    def max_tokens_of(self, group_id: str) -> int:
+        """The completion budget of ``group_id``'s prompt (a sibling longer than that cannot go on)."""
+        return self._encoded[self._state.ledger.entry(group_id).prompt_id][1]
+
     def request(self, group_id: str) -> GroupRequest:
         """The group's siblings that are not finished yet (all of them for a new prompt)."""
         entry = self._state.ledger.entry(group_id)
         prompt_ids, max_tokens = self._encoded[entry.prompt_id]
         finished = self._finished.get(group_id, {})
         missing = tuple(i for i in range(self._group_size) if i not in finished)
+        prefixes = tuple(sorted(self._prefixes.get(group_id, {}).items()))
         return GroupRequest(group_id, entry.epoch, entry.prompt_id, prompt_ids, missing, max_tokens,
-                            entry.target_step, time.time())
+                            entry.target_step, time.time(), prefixes)
 
     async def admit(self) -> GroupRequest:
         return self.request(await self._state.admit())
@@ -197,8 +205,18 @@ class Rollouts:
     async def requeue_in_flight(self) -> int:
         """List every prompt the ledger holds in flight (a run that stopped mid-generation left them
         there) as a request for its missing siblings, to be generated before anything new is admitted."""
-        self._requeued = [self.request(group_id) for group_id in await self._state.redispatch_in_flight()
-                          if group_id not in self._awaiting]
+        self._requeued = []
+        for group_id in await self._state.redispatch_in_flight():
+            if group_id in self._awaiting:
+                continue
+            request = self.request(group_id)
+            if request.siblings:
+                self._requeued.append(request)
+            else:
+                # Every sibling came back finished (staged, or in the bundle's prefixes): it only
+                # awaits its commit, as it did at the cut.
+                done = self._finished[group_id].values()
+                self.gather(GroupResult(request, [], end_weight_version=max(c.weight_version for c in done)))
         return len(self._requeued)
 
     async def take_requeued(self) -> list[GroupRequest]:
@@ -209,9 +227,39 @@ class Rollouts:
         return requeued
 
     def keep_restored(self, siblings: Mapping[str, Mapping[int, Completion]]) -> None:
-        """A restore's staged siblings, read back from TQ: their groups' next requests skip them."""
+        """A restore's finished siblings (staged, or in its prefixes): their groups' next requests skip them."""
         for group_id, by_index in siblings.items():
             self._finished.setdefault(group_id, {}).update(by_index)
+
+    def keep_prefixes(self, prefixes: Mapping[str, Mapping[int, Prefix]]) -> None:
+        """A restore's part-way siblings: their groups' next requests resume them from these."""
+        for group_id, by_index in prefixes.items():
+            self._prefixes.setdefault(group_id, {}).update(by_index)
+
+    def partials_at_cut(self, ledger: PromptLedger, in_backend: Sequence[PartialSibling]) -> list[PartialSibling]:
+        """The siblings of ``ledger``'s in-flight groups (a cut's) that it does not stage: finished ones
+        still queued for staging (or staged since), and part-way ones: the backend's, else a restored
+        prefix not resumed yet.  Taken after the cut: a prefix is valid whenever taken (tokens only grow)."""
+        partials: list[PartialSibling] = []
+        running = {(p.group_id, p.index): p for p in in_backend}
+        for group_id in ledger.in_state(PromptState.IN_FLIGHT):
+            staged = {index for index, _ in ledger.entry(group_id).staged}
+            finished = self._finished.get(group_id, {})
+            for index, completion in finished.items():
+                if index not in staged:
+                    prefix = Prefix(tuple(completion.token_ids), tuple(completion.logprobs),
+                                    ((0, completion.weight_version),))
+                    partials.append(PartialSibling(group_id, index, prefix, completion.finish_reason))
+            restored = self._prefixes.get(group_id, {})
+            for index in range(self._group_size):
+                if index in staged or index in finished:
+                    continue
+                part = running.get((group_id, index))
+                if part is None and index in restored:
+                    part = PartialSibling(group_id, index, restored[index])
+                if part is not None and part.prefix.token_ids:
+                    partials.append(part)
+        return partials
 
     # ---- what generation reports -------------------------------------------------------------
 
@@ -223,6 +271,7 @@ class Rollouts:
         """
         finished = self._finished.setdefault(request.group_id, {})
         finished[index] = completion
+        self._prefixes.get(request.group_id, {}).pop(index, None)
         if len(finished) < self._group_size and self._to_commit is not None:
             self._to_commit.send_nowait(SiblingFinished(request, index, completion))
 
@@ -234,14 +283,19 @@ class Rollouts:
         """
         request = result.request
         finished = self._finished.setdefault(request.group_id, {})
+        prefixes = self._prefixes.get(request.group_id, {})
         for index, completion in zip(request.siblings, result.completions, strict=False):
             if completion.finish_reason in COMPLETE:
                 finished.setdefault(index, completion)
+                prefixes.pop(index, None)
             else:
-                self._waste(WasteReason.ABORTED, len(completion.token_ids))
+                # A resumed sibling's prefix is not lost with it: the next request resumes from it again.
+                kept = len(prefixes[index].token_ids) if index in prefixes else 0
+                self._waste(WasteReason.ABORTED, len(completion.token_ids) - kept)
         if len(finished) < self._group_size:
             return False
         del self._finished[request.group_id]
+        self._prefixes.pop(request.group_id, None)
         complete = GroupResult(replace(request, siblings=tuple(range(self._group_size))),
                                [finished[i] for i in range(self._group_size)], result.end_weight_version)
         # Generation is done with it: its slot goes to the next prompt, even while commits wait on a TQ save.
@@ -249,7 +303,6 @@ class Rollouts:
         self._on_change()
         if self._to_commit is not None:
             self._to_commit.send_nowait(complete)
-        return True
         return True
 
     async def redispatch_aborted(self, result: GroupResult) -> GroupRequest:
@@ -262,6 +315,9 @@ class Rollouts:
         stale = tuple((i, c.weight_version) for i, c in sorted(finished.items()) if c.weight_version < window_start)
         for index, _ in stale:
             self._waste(WasteReason.STALE_SIBLING, len(finished.pop(index).token_ids))
+        prefixes = self._prefixes.get(group_id, {})
+        for index in [i for i, p in prefixes.items() if p.oldest_version < window_start]:
+            self._waste(WasteReason.STALE_SIBLING, len(prefixes.pop(index).token_ids))
         if stale and self._to_commit is not None:
             self._to_commit.send_nowait(SiblingsStale(group_id, stale))
         await self._state.note_redispatch(group_id, reason)

@@ -31,6 +31,7 @@ class CheckpointPhase(enum.StrEnum):
     BARRIER_WAIT = "barrier_wait"
     EXCLUSIVE_HOLD = "exclusive_hold"  # the whole hold: nothing subtracted
     MUTATIONS_BLOCKED = "mutations_blocked"  # how long the first mutation this checkpoint blocked waited
+    PREFIX_CAPTURE = "prefix_capture"  # the siblings of in-flight groups the cut does not stage, copied
     STATE_COPY = "state_copy"  # the trainer's weights and optimizer state copied to host memory
     TRAIN_PUMP_BLOCKED = "train_pump_blocked"  # the train pump's wait for the cut, the copy excluded
     TQ_SAVE = "tq_save"  # TQ's native snapshot, outside the hold, while mutations go on
@@ -164,6 +165,18 @@ class SamplerDocument(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     supports_replay_checkpoint: bool
 
 
+class PrefixRecord(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
+    """A sibling of an in-flight group at the cut: part-way (``finish_reason`` "") or finished and
+    not yet staged.  ``version_runs``: (first token index, weight version) per run, ascending."""
+
+    group_id: str
+    index: int
+    token_ids: list[int]
+    logprobs: list[float]
+    version_runs: list[tuple[int, int]]
+    finish_reason: str = ""
+
+
 class Sidecar(_Document):
     """``replay_buffer_metadata.json``: the replay index and the ledger, no tensors."""
 
@@ -178,6 +191,9 @@ class Sidecar(_Document):
     # Prompts per bucket and fate (``scd.skew``), continued by a restore.  Bundles written before
     # they were counted have none: the counts start at zero.
     prompt_fates: dict[str, dict[str, int]] = {}
+    # Siblings of in-flight groups the cut did not stage: resumed from their prefix by a restore.
+    # Bundles written before prefixes were captured have none.
+    prefixes: list[PrefixRecord] = []
 
 
 class DataloaderDocument(_Document):

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,6 +36,8 @@ from scd.checkpoint.save import (
 from scd.config import Config
 from scd.dataplane import DataPlane
 from scd.errors import InvariantViolation, ScdError
+from scd.ledger import PromptLedger
+from scd.records import PartialSibling
 from scd.risk import WorkAtRisk
 from scd.schema import OUTCOME_REASONS, CheckpointPhase, Outcome, SkipReason, Trigger
 from scd.state import ControllerState
@@ -61,7 +64,7 @@ class CheckpointerStatistics:
 
 class Checkpointer:
     def __init__(self, config: Config, events: EventLog, state: ControllerState, dataplane: DataPlane,
-                 trainer: Trainer, risk: WorkAtRisk) -> None:
+                 trainer: Trainer, risk: WorkAtRisk, partials: Callable[[PromptLedger], list[PartialSibling]]) -> None:
         ckpt = config.checkpointing
         self.root = Path(ckpt.dir)
         self.keep_last = ckpt.keep_last
@@ -70,6 +73,8 @@ class Checkpointer:
         self.last_completed_step: int | None = None
         self.consecutive_failures = 0
         self._state, self._dataplane, self._trainer, self._risk = state, dataplane, trainer, risk
+        # The siblings of a cut's in-flight groups it does not stage: part-way, or finished and queued.
+        self._partials = partials if ckpt.capture_prefixes else lambda ledger: []
         self._context = BundleContext(
             partition=config.data_plane.partition, storage_units=config.data_plane.storage_units,
             capacity=config.admission_capacity_groups(),
@@ -150,6 +155,11 @@ class Checkpointer:
             tmp.mkdir(mode=layout.DIR_MODE)
             cut, window = await capture_cut(self._state, self._dataplane, phases)
             at_cut = self._risk.mark_cut()
+            # After the hold: a prefix is valid to resume from whenever it is taken (tokens only grow),
+            # and the train pump, waiting here, starts no weight version past the cut's meanwhile.
+            captured_from = time.monotonic()
+            partials = self._partials(cut.ledger)
+            phases[CheckpointPhase.PREFIX_CAPTURE] = time.monotonic() - captured_from
         except Exception as exc:
             await self._failed(tmp, trigger, exc, step)
             return Outcome.FAILED
@@ -169,7 +179,7 @@ class Checkpointer:
                 raise
             await self._failed(tmp, trigger, exc, step)
             return Outcome.FAILED
-        pending = PendingBundle(cut, window, trainer_state, at_cut, tmp, final, trigger, phases, started)
+        pending = PendingBundle(cut, window, trainer_state, at_cut, partials, tmp, final, trigger, phases, started)
         self._idle = anyio.Event()
         await self._to_writer.send(pending)
         await self._record(Outcome.SCHEDULED, trigger.value, step)

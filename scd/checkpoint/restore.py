@@ -25,7 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import TypeVar
+from typing import NoReturn, TypeVar
 
 import anyio
 import msgspec
@@ -47,11 +47,11 @@ from scd.dataplane import DataPlane
 from scd.errors import ConfigError, InvariantViolation
 from scd.generation.base import GenerationBackend
 from scd.ledger import PromptLedger, PromptState, staged_key
-from scd.records import Completion
+from scd.records import Completion, FinishReason, PartialSibling, Prefix
 from scd.replay import ReplayIndex, require_cut_inventory, require_exact_inventory
 from scd.rollouts import Rollouts
 from scd.samplers import DispatchView, SamplerStateError
-from scd.schema import RestorePhase, RunIdentity, SchemaError, TrainingInfo, Trigger, decode
+from scd.schema import PrefixRecord, RestorePhase, RunIdentity, SchemaError, TrainingInfo, Trigger, decode
 from scd.state import ControllerState, Restored
 from scd.telemetry import metrics
 from scd.telemetry.events import EventLog
@@ -89,6 +89,11 @@ class RestoreReport:
     # Completion tokens of restored groups evicted stale and of staged siblings out of the window: what
     # the restart threw away of work already generated (a shadow restore's siblings are not read: not counted).
     stale_tokens: int
+    # The bundle's prefixes: tokens taken up (resumed, or finished siblings not yet staged at the cut)
+    # and thrown away (out of the window, too long, or a backend that cannot resume); siblings resumed.
+    prefix_tokens_reused: int = 0
+    prefix_tokens_dropped: int = 0
+    siblings_resumed: int = 0
     phases: dict[str, float] = field(default_factory=dict)
 
 
@@ -285,6 +290,8 @@ async def restore_state(config: Config, parts: RestoreParts, restore_from: Path 
     check_against_config(config, state, verified, allow_config_change)
     sidecar = verified.sidecar
     shadow = not state.sampler.supports_replay_checkpoint
+    partials = verify_or_point_elsewhere(bundle, explicit, lambda: checked_prefixes(
+        bundle, sidecar.prefixes, verified.ledger, info.weight_version, config.generation.group_size))
     buckets = state.fates.buckets
     if sidecar.prompt_fates and set(sidecar.prompt_fates) != set(buckets.labels):
         log.warning("%s counted prompt fates in buckets %s; this run buckets by %s into %s: only the buckets "
@@ -336,6 +343,8 @@ async def restore_state(config: Config, parts: RestoreParts, restore_from: Path 
 
     reused, rerun, stale_sibling_tokens = await restore_staged_siblings(state, dataplane, parts.rollouts)
     rerun += len(staged_in_bundle) if shadow else 0
+    prefixes = resume_prefixes([] if shadow else partials, state, parts.rollouts, parts.generation)
+    prefixes.dropped_tokens += sum(len(p.prefix.token_ids) for p in partials) if shadow else 0
     clock.lap(RestorePhase.SIBLINGS)
     evicted = await parts.rollouts.evict_stale(at_restore=True)
     stale_tokens = stale_sibling_tokens + sum(group.completion_tokens for group in evicted)
@@ -348,8 +357,9 @@ async def restore_state(config: Config, parts: RestoreParts, restore_from: Path 
     report = RestoreReport(
         bundle=bundle, step=info.step, bundle_time=info.time, groups_restored=len(state.replay),
         groups_evicted_stale=len(evicted), prompts_redispatched=redispatched, shadow=shadow,
-        uncut_groups_cleared=uncut_cleared, siblings_reused=reused, siblings_rerun=rerun, stale_tokens=stale_tokens,
-        phases=clock.stop(),
+        uncut_groups_cleared=uncut_cleared, siblings_reused=reused + prefixes.finished_reused, siblings_rerun=rerun,
+        stale_tokens=stale_tokens, prefix_tokens_reused=prefixes.reused_tokens,
+        prefix_tokens_dropped=prefixes.dropped_tokens, siblings_resumed=prefixes.resumed, phases=clock.stop(),
     )
     await record_restore(report, parts.events)
     return report
@@ -383,20 +393,103 @@ async def restore_staged_siblings(state: ControllerState, dataplane: DataPlane,
     return len(reusable), len(stale_keys), sum(len(token_ids) for token_ids, _, _ in read[len(reusable):])
 
 
+def checked_prefixes(bundle: Path, records: list[PrefixRecord], ledger: PromptLedger, weight_version: int,
+                     group_size: int) -> list[PartialSibling]:
+    """The bundle's prefixes, each checked against its cut: exit 3 naming the group of the first that is wrong.
+
+    A prefix belongs to a sibling of a group in flight at the cut, not staged there, listed once; its
+    tokens and logprobs are as many, and its version runs start at its first token, ascend, and hold
+    no version above the cut's (a prefix is taken at the cut, before the next step).
+    """
+    partials: list[PartialSibling] = []
+    seen: set[tuple[str, int]] = set()
+    for record in records:
+        group_id, index = record.group_id, record.index
+
+        def refuse(why: str, group_id: str = group_id, index: int = index) -> NoReturn:
+            raise BundleError(bundle, f"the prefix of sibling {index} of group {group_id} {why}")
+
+        if ledger.state_of(group_id) is not PromptState.IN_FLIGHT:
+            refuse(f"is for a group the cut's ledger does not hold in flight ({ledger.state_of(group_id)})")
+        if not 0 <= index < group_size or (group_id, index) in seen:
+            refuse(f"names a sibling index out of 0..{group_size - 1}, or one named before")
+        if any(i == index for i, _ in ledger.entry(group_id).staged):
+            refuse("is for a sibling the cut staged")
+        n = len(record.token_ids)
+        if n == 0 or len(record.logprobs) != n:
+            refuse(f"holds {n} tokens and {len(record.logprobs)} logprobs")
+        starts = [start for start, _ in record.version_runs]
+        versions = [version for _, version in record.version_runs]
+        if not starts or starts[0] != 0 or starts != sorted(set(starts)) or starts[-1] >= n:
+            refuse(f"has version runs starting at {starts} for {n} tokens")
+        if versions != sorted(versions) or versions[0] < 0 or versions[-1] > weight_version:
+            refuse(f"has token versions {versions}, above the cut's weight version {weight_version} or "
+                   "out of order")
+        if record.finish_reason not in ("", FinishReason.LENGTH.value, FinishReason.STOP.value):
+            refuse(f"ends {record.finish_reason!r}")
+        seen.add((group_id, index))
+        partials.append(PartialSibling(
+            group_id, index, Prefix(tuple(record.token_ids), tuple(record.logprobs),
+                                    tuple((start, version) for start, version in record.version_runs)),
+            FinishReason(record.finish_reason) if record.finish_reason else None))
+    return partials
+
+
+@dataclass(slots=True)
+class PrefixOutcome:
+    reused_tokens: int = 0
+    dropped_tokens: int = 0
+    resumed: int = 0
+    finished_reused: int = 0
+
+
+def resume_prefixes(partials: list[PartialSibling], state: ControllerState, rollouts: Rollouts,
+                    generation: GenerationBackend) -> PrefixOutcome:
+    """The bundle's prefixes handed to ``rollouts``: finished siblings as finished, part-way ones to resume
+    (their groups' next requests go on from them).  One whose oldest token is out of the staleness window
+    is dropped (its sibling generated again), as is every part-way one when the backend cannot resume or
+    the prompt's budget has no room left for it."""
+    outcome = PrefixOutcome()
+    window_start = state.window_start()
+    finished: dict[str, dict[int, Completion]] = {}
+    resumed: dict[str, dict[int, Prefix]] = {}
+    for partial in partials:
+        prefix, n = partial.prefix, len(partial.prefix.token_ids)
+        if prefix.oldest_version >= window_start and partial.finish_reason is not None:
+            finished.setdefault(partial.group_id, {})[partial.index] = Completion(
+                list(prefix.token_ids), list(prefix.logprobs), partial.finish_reason, prefix.oldest_version)
+            outcome.finished_reused += 1
+        elif (prefix.oldest_version >= window_start and generation.resumable
+              and n < rollouts.max_tokens_of(partial.group_id)):
+            resumed.setdefault(partial.group_id, {})[partial.index] = prefix
+            outcome.resumed += 1
+        else:
+            outcome.dropped_tokens += n
+            continue
+        outcome.reused_tokens += n
+    rollouts.keep_restored(finished)
+    rollouts.keep_prefixes(resumed)
+    return outcome
+
+
 async def record_restore(report: RestoreReport, events: EventLog) -> None:
     """The restore's outcome on /metrics, in the log and as a ``restore`` event."""
     for phase, seconds in report.phases.items():
         metrics.restore_phase.labels(phase).observe(seconds)
     metrics.recovery_siblings_reused.inc(report.siblings_reused)
+    metrics.recovery_prefix_tokens_reused.inc(report.prefix_tokens_reused)
+    metrics.recovery_prefix_tokens_dropped.inc(report.prefix_tokens_dropped)
     metrics.recovery_siblings_rerun.inc(report.siblings_rerun)
     metrics.recovery_groups_restored.set(report.groups_restored)
     metrics.recovery_groups_evicted_stale.set(report.groups_evicted_stale)
     metrics.recovery_prompts_redispatched.set(report.prompts_redispatched)
     metrics.recovery_stale_tokens.set(report.stale_tokens)
     log.info("restored %s: step %d, %d groups ready, %d evicted stale, %d prompts to redispatch, "
-             "%d finished siblings reused, %d to generate again, %d stale tokens thrown away%s (%.2fs)",
+             "%d finished siblings reused, %d to generate again, %d stale tokens thrown away, %d siblings resumed "
+             "(%d prefix tokens reused, %d dropped)%s (%.2fs)",
              report.bundle, report.step, report.groups_restored, report.groups_evicted_stale,
              report.prompts_redispatched, report.siblings_reused, report.siblings_rerun, report.stale_tokens,
+             report.siblings_resumed, report.prefix_tokens_reused, report.prefix_tokens_dropped,
              " [shadow: replay index not restored]" if report.shadow else "", report.phases[RestorePhase.TOTAL])
     await events.emit(
         "restore", report.step, bundle=str(report.bundle), phases=report.phases,
@@ -404,6 +497,8 @@ async def record_restore(report: RestoreReport, events: EventLog) -> None:
         prompts_redispatched=report.prompts_redispatched, shadow=report.shadow,
         uncut_groups_cleared=report.uncut_groups_cleared, siblings_reused=report.siblings_reused,
         siblings_rerun=report.siblings_rerun, stale_tokens=report.stale_tokens,
+        prefix_tokens_reused=report.prefix_tokens_reused, prefix_tokens_dropped=report.prefix_tokens_dropped,
+        siblings_resumed=report.siblings_resumed,
     )
 
 

@@ -26,6 +26,7 @@ from scd import faults
 from scd.checkpoint import layout
 from scd.dataplane import DataPlane, SaveWindow
 from scd.errors import DataPlaneError, InvariantViolation, ShortRead
+from scd.records import PartialSibling
 from scd.replay import require_cut_inventory
 from scd.risk import CutMark
 from scd.schema import (
@@ -33,6 +34,7 @@ from scd.schema import (
     DataloaderDocument,
     FailReason,
     Outcome,
+    PrefixRecord,
     SamplerDocument,
     Sidecar,
     TrainingInfo,
@@ -75,6 +77,7 @@ class PendingBundle:
     window: SaveWindow
     trainer_state: StateCapture
     at_cut: CutMark  # the work the cut holds, for the loss window once the bundle is final
+    partials: list[PartialSibling]  # siblings of the cut's in-flight groups it does not stage
     tmp: Path
     final: Path
     trigger: Trigger
@@ -161,6 +164,8 @@ def write_bundle(pending: PendingBundle, keep_last: int, context: BundleContext)
     sidecar = encode(Sidecar(
         partition=context.partition, replay_digest=cut.replay_digest, groups=cut.groups,
         ledger=cut.ledger.to_document(), uncut_keys=pending.uncut, prompt_fates=cut.fates,
+        prefixes=[PrefixRecord(p.group_id, p.index, list(p.prefix.token_ids), list(p.prefix.logprobs),
+                               list(p.prefix.version_runs), p.finish_reason or "") for p in pending.partials],
         sampler=SamplerDocument(name=cut.sampler_name, state=cut.sampler_state,
                                 supports_replay_checkpoint=cut.supports_replay_checkpoint),
     ))

@@ -27,7 +27,7 @@ from typing import Protocol
 
 import torch
 
-from scd.records import COMPLETE, Completion
+from scd.records import COMPLETE, Completion, PartialSibling, Prefix
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,6 +40,12 @@ class GroupRequest:
     max_tokens: int
     target_step: int | None
     admitted_at: float
+    # (sibling index, prefix) for siblings a restore resumes: generated on from the prefix, at most
+    # max_tokens - len(prefix) more tokens.  Only backends that are ``resumable`` are given any.
+    prefixes: tuple[tuple[int, Prefix], ...] = ()
+
+    def prefix_of(self, index: int) -> Prefix | None:
+        return next((p for i, p in self.prefixes if i == index), None)
 
 
 # (request, the sibling's index in its group, its complete completion); must not block.
@@ -125,6 +131,14 @@ class GenerationBackend(Protocol):
     max_concurrent_batches: int
     # How many groups one generate() call should be given.
     batch_groups: int
+    # Whether it resumes a sibling from a prefix (``GroupRequest.prefixes``) and reports its
+    # part-way siblings (``partial_siblings``); one that does not has its siblings generated again.
+    resumable: bool
+
+    def partial_siblings(self) -> list[PartialSibling]:
+        """Every sibling it is generating that has tokens so far, with each token's logprob and version;
+        a snapshot, taken on the event loop without waiting."""
+        ...
 
     async def generate(self, requests: Sequence[GroupRequest], on_sibling: SiblingSink) -> list[GroupResult]:
         """One result per request, each sibling tagged with the weight version that made it."""

@@ -21,17 +21,70 @@ import math
 import random
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 import anyio
 import torch
 
 from scd.config import Config
 from scd.generation.base import BusyClock, EngineActivity, GroupRequest, GroupResult, SiblingSink
-from scd.records import Completion, FinishReason
+from scd.records import Completion, FinishReason, PartialSibling, Prefix
 from scd.telemetry import metrics
 
 
+@dataclass(slots=True)
+class _Sequence:
+    request: GroupRequest
+    index: int
+    completion: Completion  # the whole of it, drawn up front; tokens past the prefix are revealed over time
+    prefix: Prefix | None
+
+    @property
+    def resumed_from(self) -> int:
+        return len(self.prefix.token_ids) if self.prefix else 0
+
+    @property
+    def new_tokens(self) -> int:
+        return len(self.completion.token_ids) - self.resumed_from
+
+
+@dataclass(slots=True)
+class _Batch:
+    """One call's sequences, shortest first, decoded in lockstep from ``start``: while k of them are
+    active, each token step costs k / ``rate`` seconds."""
+
+    version: int
+    start: float
+    rate: float
+    sequences: list[_Sequence]
+
+    def finish_times(self) -> list[float]:
+        times, at, decoded, active = [], self.start, 0, len(self.sequences)
+        for q in self.sequences:
+            at += (q.new_tokens - decoded) * active / self.rate
+            decoded, active = q.new_tokens, active - 1
+            times.append(at)
+        return times
+
+    def decoded(self, now: float) -> int:
+        """New tokens each unfinished sequence has at ``now``."""
+        at, decoded, active = self.start, 0, len(self.sequences)
+        for q, end in zip(self.sequences, self.finish_times(), strict=True):
+            if now < end:
+                return decoded + max(0, int((now - at) * self.rate / active))
+            at, decoded, active = end, q.new_tokens, active - 1
+        return decoded
+
+    def decoded_tokens(self, now: float) -> int:
+        """New tokens decoded so far over every sequence."""
+        decoded = self.decoded(now)
+        return sum(min(q.new_tokens, decoded) for q in self.sequences)
+
+
 class SyntheticBackend:
+    # It resumes a sibling from a restored prefix and reports its part-way ones at a cut.
+    resumable = True
+
     def __init__(self, config: Config) -> None:
         synthetic = config.generation.synthetic
         self.batch_groups = synthetic.batch_groups
@@ -44,55 +97,71 @@ class SyntheticBackend:
         self._rng = random.Random(config.run.seed + 1)
         self._version = 0
         self._done_tokens = 0
-        # (start, end, tokens) of the work the engine holds; queued, it works through its calls one at a time.
+        # The batches the engine holds; queued, it works through its calls one at a time.
         self._busy_until = 0.0
-        self._in_progress: list[tuple[float, float, int]] = []
+        self._in_progress: list[_Batch] = []
         self._busy = BusyClock()
 
     async def generate(self, requests: Sequence[GroupRequest], on_sibling: SiblingSink) -> list[GroupResult]:
         version = self._version
-        sequences: list[tuple[GroupRequest, int, Completion]] = []
+        sequences: list[_Sequence] = []
         for req in requests:
             body = req.prompt_ids[1:] or req.prompt_ids
             for index in req.siblings:
                 n = req.max_tokens if self._length_from_answer else self._rng.randint(*self._lengths)
-                sequences.append((req, index, Completion(
-                    token_ids=[self._rng.choice(body) for _ in range(n)], logprobs=[self._logprob] * n,
-                    finish_reason=FinishReason.LENGTH, weight_version=version,
-                )))
-        tokens = sum(len(c.token_ids) for _, _, c in sequences)
+                prefix = req.prefix_of(index)
+                done = len(prefix.token_ids) if prefix else 0
+                new = max(n, done + 1) - done  # a resumed sibling had not finished: at least one more token
+                tokens, logprobs = [self._rng.choice(body) for _ in range(new)], [self._logprob] * new
+                completion = prefix.continued(tokens, logprobs, FinishReason.LENGTH) if prefix else Completion(
+                    tokens, logprobs, FinishReason.LENGTH, version)
+                sequences.append(_Sequence(req, index, completion, prefix))
+        sequences.sort(key=lambda q: q.new_tokens)
+        tokens = sum(q.new_tokens for q in sequences)
         now = time.monotonic()
         if self._slots:
             rate, start = self._rate / self.max_concurrent_batches, now
         else:
             rate, start = self._rate, max(now, self._busy_until)
             self._busy_until = start + tokens / rate
-        work = (start, start + tokens / rate, tokens)
-        self._in_progress.append(work)
-        # Lockstep decoding: while k sequences are active, each token step costs k / rate seconds.
-        at, decoded, active = start, 0, len(sequences)
+        batch = _Batch(version, start, rate, sequences)
+        self._in_progress.append(batch)
         try:
             # A call queued behind another is in flight too: the engine works without a gap between them.
             with self._busy.request():
-                for req, index, completion in sorted(sequences, key=lambda s: len(s[2].token_ids)):
-                    at += (len(completion.token_ids) - decoded) * active / rate
-                    decoded, active = len(completion.token_ids), active - 1
+                for sequence, at in zip(sequences, batch.finish_times(), strict=True):
                     await anyio.sleep(max(0.0, at - time.monotonic()))
-                    on_sibling(req, index, completion)
+                    on_sibling(sequence.request, sequence.index, sequence.completion)
         finally:
-            self._in_progress.remove(work)
+            self._in_progress.remove(batch)
         self._done_tokens += tokens
         metrics.generation_tokens.inc(tokens)
-        return [GroupResult(req, [c for r, _, c in sequences if r is req], end_weight_version=version)
+        return [GroupResult(req, [q.completion for q in sorted(sequences, key=lambda q: q.index)
+                                  if q.request is req], end_weight_version=version)
                 for req in requests]
 
-    def generated_tokens(self) -> int:
-        """Tokens finished, plus the share of queued work the engine has got through: a real engine
-        streams tokens, so the counter moves during a batch as it would there."""
+    def partial_siblings(self) -> list[PartialSibling]:
         now = time.monotonic()
-        partial = sum(n * min(1.0, max(0.0, (now - start) / (end - start)))
-                      for start, end, n in self._in_progress if end > start)
-        return self._done_tokens + int(partial)
+        partials = []
+        for batch in self._in_progress:
+            decoded = batch.decoded(now)
+            for q in batch.sequences:
+                if q.new_tokens <= decoded:
+                    continue  # finished: reported through on_sibling
+                have = q.resumed_from + decoded
+                if have:
+                    runs = q.prefix.version_runs if q.prefix else ()
+                    if decoded and (not runs or runs[-1][1] != batch.version):
+                        runs = (*runs, (q.resumed_from, batch.version))
+                    partials.append(PartialSibling(q.request.group_id, q.index, Prefix(
+                        tuple(q.completion.token_ids[:have]), tuple(q.completion.logprobs[:have]), runs)))
+        return partials
+
+    def generated_tokens(self) -> int:
+        """Tokens finished, plus those the batches in progress have decoded: a real engine streams
+        tokens, so the counter moves during a batch as it would there."""
+        now = time.monotonic()
+        return self._done_tokens + sum(batch.decoded_tokens(now) for batch in self._in_progress)
 
     def engine_activity(self) -> list[EngineActivity]:
         return [self._busy.activity("0", self.generated_tokens())]

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from scd.config import Config
 from scd.generation.base import BusyClock, EngineActivity, GroupRequest, GroupResult, SiblingSink
-from scd.records import Completion, FinishReason
+from scd.records import Completion, FinishReason, PartialSibling
 from scd.telemetry import metrics
 from scd.training.export import unaliased
 from scd.training.policy import Policy
@@ -21,6 +21,9 @@ from scd.training.policy import Policy
 
 class TorchBackend:
     max_concurrent_batches = 1
+    # A batch samples whole sequences on one worker thread: nothing part-way to report or resume,
+    # so a restore generates its siblings again (counted as dropped prefix tokens: none).
+    resumable = False
 
     def __init__(self, config: Config, policy: Policy) -> None:
         self.batch_groups = config.generation.torch.batch_groups
@@ -52,6 +55,9 @@ class TorchBackend:
         started = time.monotonic()
         await anyio.to_thread.run_sync(load, limiter=self._limiter)
         metrics.weight_sync.labels("in_process").observe(time.monotonic() - started)
+
+    def partial_siblings(self) -> list[PartialSibling]:
+        return []
 
     async def abort_older_than(self, version: int) -> int:
         # A batch runs under one version from start to end and no request waits inside the backend.

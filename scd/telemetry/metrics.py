@@ -142,6 +142,13 @@ recovery_prompts_redispatched = Gauge(
 recovery_stale_tokens = Gauge(
     "scd_recovery_stale_tokens", "Tokens of restored groups and staged siblings already stale at the last start"
 )
+recovery_prefix_tokens_reused = Counter(
+    "scd_recovery_prefix_tokens_reused",
+    "Tokens of part-way or unstaged finished siblings a restore took from the bundle's prefixes")
+recovery_prefix_tokens_dropped = Counter(
+    "scd_recovery_prefix_tokens_dropped",
+    "Tokens of the bundle's prefixes a restore threw away (out of the staleness window, or a backend that "
+    "cannot resume)")
 recovery_siblings_reused = Counter(
     "scd_recovery_siblings_reused", "Finished siblings of unfinished groups reused after a restart"
 )
