@@ -42,11 +42,40 @@ def effective_history(events: list[dict]) -> list[dict]:
     return history
 
 
+# The synthetic engine with completions long enough to be part-way at most cuts: a restore resumes them.
+PREFIXES = "prefixes"
+SAMPLER_KILLS[PREFIXES] = max(2, KILLS // 4)
+SYNTHETIC_LONG = """[generation]
+group_size = 8
+max_inflight_prompts = 16
+max_new_tokens = 40
+backend = "synthetic"
+[generation.synthetic]
+tokens_per_s = 3000.0
+min_completion_tokens = 20
+max_completion_tokens = 39
+batch_groups = 4
+max_concurrent_batches = 2
+"""
+
+
+def crash_loop_config(tmp_path: Path, sampler: str) -> Path:
+    name = "windowed" if sampler == PREFIXES else sampler
+    sampler_section = f'[async_rl.sampler]\nname = "{name}"\nmax_staleness_versions = 1\n'
+    config = write_config(tmp_path, max_steps=100_000, extra=CHECKPOINTS + sampler_section)
+    if sampler == PREFIXES:
+        text = config.read_text()
+        generation = text[text.index("[generation]"):text.index("[trainer]")]
+        text = text.replace(generation, SYNTHETIC_LONG + "\n").replace(
+            'name = "reverse"\n', 'name = "reverse"\nmin_digits = 40\nmax_digits = 40\n')
+        config.write_text(text + "\n[model]\nmax_len = 128\n")
+    return config
+
+
 @pytest.mark.parametrize("sampler", list(SAMPLER_KILLS))
 def test_crash_loop_loses_nothing(tmp_path: Path, scd_processes: list[ScdProcess], sampler: str) -> None:
     rng = random.Random(1234)
-    sampler_section = f'[async_rl.sampler]\nname = "{sampler}"\nmax_staleness_versions = 1\n'
-    config = write_config(tmp_path, max_steps=100_000, extra=CHECKPOINTS + sampler_section)
+    config = crash_loop_config(tmp_path, sampler)
     root = tmp_path / "out" / "checkpoints"
     ready_in: dict[str, int] = {}  # bundle name -> its ready groups, for each bundle a start found newest
 
@@ -102,6 +131,8 @@ def test_crash_loop_loses_nothing(tmp_path: Path, scd_processes: list[ScdProcess
     assert all(e.reason for e in last.ledger.entries().values() if e.state.value == "dropped")
     # What the crashes cost: every restore says what it threw away, and the waste over all processes is small.
     assert all(type(e["stale_tokens"]) is int and e["stale_tokens"] >= 0 for e in restores)
+    if sampler == PREFIXES:
+        assert sum(e["siblings_resumed"] for e in restores) > 0, "no restore resumed a part-way sibling"
     waste = goodput_totals(events_path)
     print(f"crash loop ({sampler}): {SAMPLER_KILLS[sampler]} kills, {admitted} prompts admitted, "
           f"{counts['consumed']} consumed, {counts['dropped']} dropped, final step {k + 3}; ready groups kept "

@@ -15,7 +15,7 @@ from scd.checkpoint import layout
 from scd.checkpoint.verify import BundleError
 from scd.daemon import Controller, Triggers
 from scd.dataplane import DataPlane
-from scd.generation.base import GroupRequest
+from scd.generation.base import GenerationBackend, GroupRequest
 from scd.records import Completion
 from tests.conftest import tiny_config
 from tests.test_checkpoint import edit_json
@@ -36,10 +36,10 @@ def long_task_config(tmp_path: Path, partition: str, checkpoints: Path | None = 
                        **sections)
 
 
-async def crash_after_a_checkpoint_with_prefixes(config: Any) -> Path:
+async def crash_after_a_checkpoint_with_prefixes(config: Any, backend: GenerationBackend | None = None) -> Path:
     """Run, checkpoint while siblings are part-way, and stop dead (no final bundle; TQ's contents lost)."""
     root = Path(config.checkpointing.dir)
-    async with Controller.open(config) as controller:
+    async with Controller.open(config, backend) as controller:
         checkpointer = controller.checkpointer
         assert checkpointer is not None
         triggers = Triggers()

@@ -35,6 +35,7 @@ from scd.ledger import PromptState
 from scd.records import COMPLETE, Completion
 from scd.training.policy import HFPolicy, state_copy
 from tests.conftest import REPO, ScdProcess, vllm_cpu_config
+from tests.test_prefix_resume import crash_after_a_checkpoint_with_prefixes
 from tests.test_process import metric, scrape
 from tests.test_sibling_recovery import crash_mid_generation_and_resume
 
@@ -286,6 +287,50 @@ def test_vllm_with_two_trainer_ranks_checkpoints_is_killed_restores_and_trains_o
     steps = [e for e in log if e["event"] == "train_step"]
     # The engine serves exactly the ranks' weights: on-policy rows agree with the trainer.
     assert all(e["logprob_mismatch_tokens"] > 0 and e["logprob_mismatch_max"] < 1e-3 for e in steps)
+
+
+async def test_vllm_resumes_part_way_siblings_bit_identical_and_goes_on_from_the_restored_weights(
+        engine: VLLMBackend, tiny_llama: Path, tmp_path: Path, partition: str) -> None:
+    """A crash while completions are part-way: each resumes from its prefix (prompt + prefix in, the rest
+    out of the engine), its prefix bit-identical to the bundle's, its continuation sampled by the weights
+    the bundle holds."""
+    config = vllm_config(tiny_llama, tmp_path, partition, task={"min_digits": 24, "max_digits": 24},
+                         generation={"max_new_tokens": 24, "max_inflight_prompts": 32},
+                         checkpointing={"enabled": True, "dir": str(tmp_path / "checkpoints"), "interval_s": 3600})
+    bundle = await crash_after_a_checkpoint_with_prefixes(config, engine)
+    in_bundle = [p for p in orjson.loads((bundle / layout.SIDECAR_FILE).read_bytes())["prefixes"]]
+    part_way = {(p[0], p[1]): p for p in in_bundle if not p[5]}
+    policy = HFPolicy(config.model)
+    restored = policy.build_model().eval()
+    restored.load_state_dict(torch.load(bundle / layout.MODEL_FILE, weights_only=True))
+    async with Controller.open(config, backend=engine) as controller:
+        report = await controller.restore()
+        assert report is not None
+        assert (report.siblings_resumed, report.prefix_tokens_reused) == (
+            len(part_way), sum(len(p[2]) for p in in_bundle))
+        requeued = [r for r in await controller.rollouts.take_requeued() if r.prefixes]
+        assert {(r.group_id, i) for r in requeued for i, _ in r.prefixes} == set(part_way)
+        # What the engine, holding the restored weights (the restore's first sync), gives back.
+        results = await engine.generate(requeued, ignore_siblings)
+        await controller.dataplane.clear_all()
+    resumed = 0
+    for result in results:
+        for index, completion in zip(result.request.siblings, result.completions, strict=True):
+            prefix = result.request.prefix_of(index)
+            if prefix is None or completion.finish_reason not in COMPLETE:
+                continue
+            record, n = part_way[(result.request.group_id, index)], len(prefix.token_ids)
+            assert completion.token_ids[:n] == record[2] and completion.logprobs[:n] == record[3]
+            assert completion.weight_version == record[4][0][1] and len(completion.token_ids) > n
+            continuation = hf_logprobs(policy, restored, (*result.request.prompt_ids, *prefix.token_ids),
+                                       completion.token_ids[n:])
+            assert torch.allclose(torch.tensor(completion.logprobs[n:]), continuation, atol=1e-4)
+            resumed += 1
+    assert resumed > 0
+    events_log = events(Path(config.telemetry.events_path))
+    restore = [e for e in events_log if e["event"] == "restore"][-1]
+    assert (restore["siblings_resumed"], restore["prefix_tokens_reused"]) == (
+        report.siblings_resumed, report.prefix_tokens_reused)
 
 
 # ---- weight sync: in memory, by reload, and what a failed sync leaves --------------------------------
