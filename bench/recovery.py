@@ -114,6 +114,81 @@ async def crash_recovery(tmp: Path, tiny: Any) -> dict[str, float]:
     return out
 
 
+async def crash_with_prefixes_once(config: Any) -> dict[str, float]:
+    """A checkpoint while long completions are part-way, the crash the moment it is written, a restore.
+
+    Tokens generated at the cut: the ready groups', every finished sibling's of in-flight groups
+    (staged or queued) and every part-way sibling's, read under the exclusive hold.  Tokens given
+    back: what the restored controller holds before it generates anything (ready groups after the
+    restore's stale eviction, finished siblings, prefixes to resume).
+    """
+    await DataPlane(config.data_plane).clear_all()
+    async with Controller.open(config) as controller:
+        checkpointer = controller.checkpointer
+        assert checkpointer is not None
+        triggers = Triggers()
+        at_cut: list[int] = []
+        take_cut = controller.state.snapshot
+
+        def counting_snapshot() -> Any:
+            ready = sum(g.completion_tokens for g in controller.state.replay.groups())
+            finished = controller.rollouts.statistics().finished_tokens
+            running = sum(len(p.prefix.token_ids) for p in controller.backend.partial_siblings())
+            at_cut.append(ready + finished + running)
+            return take_cut()
+
+        controller.state.snapshot = counting_snapshot  # type: ignore[method-assign]
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(controller.run, triggers, 1_000_000)
+            with anyio.fail_after(300):
+                await anyio.sleep(1.0)  # generation under way: a batch of 128 sequences part-way
+                done = checkpointer.statistics().completed
+                triggers.request_checkpoint()
+                while checkpointer.statistics().completed == done:
+                    await anyio.sleep(0.001)
+            tg.cancel_scope.cancel()
+    await DataPlane(config.data_plane).clear_all()
+    async with Controller.open(config) as controller:
+        report = await controller.restore()
+        assert report is not None
+        stats = controller.rollouts.statistics()
+        given_back = (sum(g.completion_tokens for g in controller.state.replay.groups()) + stats.finished_tokens
+                      + stats.prefix_tokens)
+        await controller.dataplane.clear_all()
+    return {"generated_at_cut": at_cut[-1], "given_back": given_back, "resumed": report.siblings_resumed,
+            "dropped": report.prefix_tokens_dropped}
+
+
+async def prefix_recovery(tmp: Path, tiny: Any) -> dict[str, float]:
+    """``crash_<sampler>_tokens_reused_vs_generated_at_cut`` with prefixes captured, and beside it
+    (``..._no_prefixes``) with ``checkpointing.capture_prefixes = false``, today's baseline before them."""
+    out: dict[str, float] = {}
+    for sampler in SAMPLERS:
+        for capture in (True, False):
+            name = f"prefix-{sampler}-{capture}"
+            config = tiny(
+                tmp / name, partition=f"bench-{name}",
+                # 16 groups (128 sequences) decode in lockstep with completions of 128-512 tokens, at a
+                # pace where a batch takes seconds: most sequences are part-way at any cut.  (Not the
+                # 256-2048 of reasoning rollouts: the tiny trainer's attention over 128 rows of 3k
+                # tokens does not fit this box's memory.)
+                generation={"backend": "synthetic", "max_inflight_prompts": 32, "max_new_tokens": 512,
+                            "synthetic": {"tokens_per_s": 20_000.0, "min_completion_tokens": 128,
+                                          "max_completion_tokens": 512, "batch_groups": 16,
+                                          "max_concurrent_batches": 1}},
+                task={"min_digits": 256, "max_digits": 256, "size": 256}, model={"max_len": 1030},
+                async_rl={"sampler": {"name": sampler, "max_staleness_versions": 1}, "buffer_capacity_groups": 64},
+                checkpointing={"enabled": True, "interval_s": 3600.0, "keep_last": 2, "capture_prefixes": capture,
+                               "dir": str(tmp / name / "checkpoints")})
+            got = await crash_with_prefixes_once(config)
+            key = f"crash_{sampler}_tokens_reused_vs_generated_at_cut" + ("" if capture else "_no_prefixes")
+            out[key] = got["given_back"] / got["generated_at_cut"]
+            if capture:
+                out[f"crash_{sampler}_tokens_generated_at_cut"] = got["generated_at_cut"]
+                out[f"crash_{sampler}_siblings_resumed"] = got["resumed"]
+    return out
+
+
 async def staging_cost(tmp: Path, tiny: Any, fake_group: Any, groups: int = 400, rounds: int = 4,
                        tokens: int = 109) -> dict[str, float]:
     """Commit throughput without (A) and with (B) 7 of 8 siblings staged first; interleaved."""

@@ -26,7 +26,7 @@ import torch
 
 from bench import engines, goodput, trainer_group
 from bench.gpu_check import summarize_steps
-from bench.recovery import crash_recovery, staging_cost
+from bench.recovery import crash_recovery, prefix_recovery, staging_cost
 from scd.checkpoint import layout
 from scd.checkpoint.save import capture_cut
 from scd.config import Config, derive_config
@@ -50,6 +50,7 @@ GOALS = {
     "commit_path_groups_per_s": (">=", 20000.0), "loop_stall_p99_ms": ("<=", 50.0),
     **{f"crash_{s}_{k}": (">=", 1.0) for s in ("windowed", "weight_fifo", "in_order")
        for k in ("ready_groups_kept_ratio", "siblings_reused_ratio", "siblings_reused_vs_finished_at_cut")},
+    **{f"crash_{s}_tokens_reused_vs_generated_at_cut": (">=", 0.99) for s in ("windowed", "weight_fifo", "in_order")},
     **goodput.GOALS, **engines.GOALS,
     "trackers_overhead_ratio": (">=", 0.98), "trackers_loop_stall_p99_ms": ("<=", 50.0),
 }
@@ -519,6 +520,7 @@ async def main(only: frozenset[str] = frozenset()) -> None:
                                 ("exclusive_hold", exclusive_hold), ("live_checkpoints", live_checkpoints),
                                 ("snapshot", snapshot_and_restore),
                                 ("crash_recovery", functools.partial(crash_recovery, tiny=tiny)),
+                                ("prefix_recovery", functools.partial(prefix_recovery, tiny=tiny)),
                                 ("staging_cost", functools.partial(staging_cost, tiny=tiny, fake_group=fake_group)),
                                 ("goodput_regimes", functools.partial(goodput.regimes, tiny=tiny)),
                                 ("goodput_crash_loop", goodput.crash_loops),

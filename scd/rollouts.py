@@ -97,6 +97,8 @@ class RolloutsStatistics:
     groups_with_finished_siblings: int
     finished_siblings: int  # held in memory for groups still in flight, staged or not
     staged_tokens: int  # completion tokens of the finished siblings staged in TQ (what a cut keeps of them)
+    finished_tokens: int  # completion tokens of every finished sibling held, staged or not
+    prefix_tokens: int  # tokens of a restore's prefixes not resumed to the end yet
 
 
 def _held_groups_limit(config: Config, sampler: Sampler) -> float:
@@ -153,6 +155,8 @@ class Rollouts:
             groups_with_finished_siblings=len(self._finished),
             finished_siblings=sum(len(siblings) for siblings in self._finished.values()),
             staged_tokens=self._staged_tokens(),
+            finished_tokens=sum(len(c.token_ids) for siblings in self._finished.values() for c in siblings.values()),
+            prefix_tokens=sum(len(p.token_ids) for prefixes in self._prefixes.values() for p in prefixes.values()),
         )
 
     def _staged_tokens(self) -> int:

@@ -154,12 +154,12 @@ class Checkpointer:
             self.root.mkdir(mode=layout.DIR_MODE, parents=True, exist_ok=True)
             tmp.mkdir(mode=layout.DIR_MODE)
             cut, window = await capture_cut(self._state, self._dataplane, phases)
-            at_cut = self._risk.mark_cut()
             # After the hold: a prefix is valid to resume from whenever it is taken (tokens only grow),
             # and the train pump, waiting here, starts no weight version past the cut's meanwhile.
             captured_from = time.monotonic()
             partials = self._partials(cut.ledger)
             phases[CheckpointPhase.PREFIX_CAPTURE] = time.monotonic() - captured_from
+            at_cut = self._risk.mark_cut(partials)
         except Exception as exc:
             await self._failed(tmp, trigger, exc, step)
             return Outcome.FAILED
