@@ -20,7 +20,7 @@ from scd.daemon import Controller, Triggers
 from scd.errors import EXIT_CONFIG, EXIT_INVARIANT, EXIT_OK, EXIT_OTHER, ScdError
 from scd.generation.devices import plan_engine_devices
 from scd.samplers import build_sampler
-from scd.telemetry.http import open_listener
+from scd.telemetry.http import open_listener, serve_http
 from scd.telemetry.trackers import require_tracker_packages
 
 log = logging.getLogger("scd")
@@ -44,18 +44,29 @@ async def run_daemon(config: Config, args: argparse.Namespace) -> None:
     async with anyio.create_task_group() as tg:
         # Signals are handled from the first moment: a SIGTERM during a long restore still drains.
         await tg.start(handle_signals, triggers, name="signals")
+        # Served from before Ray starts: /readyz says 503 (and /healthz ok) until the controller is up.
         listener = await open_listener(config.telemetry.metrics_host, config.telemetry.metrics_port)
-        async with Controller.open(config) as controller, anyio.create_task_group() as http:
-            controller.metrics_port = await http.start(controller.serve_http, listener, name="http")
-            placement = controller.dataplane.placement
-            await controller.events.emit("start", controller.state.trainer_step, pid=os.getpid(),
-                                         tq_controller_node=placement.controller,
-                                         tq_storage_unit_nodes=placement.storage_units)
-            await controller.restore(args.restore_from, args.allow_config_change, args.discard_newer)
-            if not triggers.shutdown.is_set():
-                await controller.run(triggers, args.max_steps)
+        opened: list[Controller] = []
+        async with anyio.create_task_group() as http:
+            port = await http.start(serve_http, listener, lambda: opened[0].health_problem() if opened else "",
+                                    lambda: bool(opened) and opened[0].ready, name="http")
+            async with Controller.open(config) as controller:
+                controller.metrics_port = port
+                opened.append(controller)
+                await run_controller(controller, triggers, args)
             http.cancel_scope.cancel()
         tg.cancel_scope.cancel()
+
+
+async def run_controller(controller: Controller, triggers: Triggers, args: argparse.Namespace) -> None:
+    """Announce the start, restore, and run until done or drained."""
+    placement = controller.dataplane.placement
+    await controller.events.emit("start", controller.state.trainer_step, pid=os.getpid(),
+                                 tq_controller_node=placement.controller,
+                                 tq_storage_unit_nodes=placement.storage_units)
+    await controller.restore(args.restore_from, args.allow_config_change, args.discard_newer)
+    if not triggers.shutdown.is_set():
+        await controller.run(triggers, args.max_steps)
 
 
 def checkpoint_command(args: argparse.Namespace) -> int:

@@ -34,7 +34,6 @@ from pathlib import Path
 
 import anyio
 import torch
-from anyio.abc import SocketListener
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from scd import faults, systemd
@@ -55,7 +54,6 @@ from scd.state import ControllerState
 from scd.tasks import Prompt, build_task
 from scd.telemetry import metrics
 from scd.telemetry.events import EventLog
-from scd.telemetry.http import serve_http
 from scd.training.base import Trainer
 from scd.training.group import open_trainer
 from scd.training.policy import Policy, build_policy
@@ -162,12 +160,6 @@ class Controller:
         return report
 
     # ---- observation -------------------------------------------------------------------------
-
-    async def serve_http(self, listener: SocketListener, *,
-                         task_status: anyio.abc.TaskStatus[int] = anyio.TASK_STATUS_IGNORED) -> None:
-        """/metrics, /healthz and /readyz on ``listener`` (``open_listener``); start it before the
-        restore so both are visible during it."""
-        await serve_http(listener, self.health_problem, lambda: self.ready, task_status=task_status)
 
     def health_problem(self) -> str:
         """Why the process is unhealthy, or "" when it is not."""

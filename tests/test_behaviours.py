@@ -34,7 +34,7 @@ from scd.ledger import DropReason, PromptState
 from scd.records import Completion, FinishReason
 from scd.replay import GroupMeta
 from scd.schema import Outcome, Trigger
-from scd.telemetry.http import open_listener
+from scd.telemetry.http import open_listener, serve_http
 from tests.conftest import ScdProcess, free_port, tree_digest, write_config
 from tests.test_checkpoint import reseal
 from tests.test_data_safety import (
@@ -738,7 +738,8 @@ async def test_readyz_is_503_from_the_drains_start_while_the_step_in_progress_fi
 
         with anyio.fail_after(WAIT_S * 2):
             async with anyio.create_task_group() as tg:
-                port = await tg.start(controller.serve_http, await open_listener("127.0.0.1", 0))
+                port = await tg.start(serve_http, await open_listener("127.0.0.1", 0), controller.health_problem,
+                                      lambda: controller.ready)
                 tg.start_soon(operator, port)
                 await controller.run(triggers, max_steps=100_000)
                 tg.cancel_scope.cancel()

@@ -32,17 +32,10 @@ def metric(text: str, name: str) -> float:
 
 def test_run_reaches_max_steps_with_metrics(tmp_path: Path, scd_processes: list[ScdProcess]) -> None:
     port = free_port()
-    config = write_config(tmp_path, max_steps=400, port=port)
-    scd = ScdProcess(config, "--max-steps", "40")
+    scd = ScdProcess(write_config(tmp_path, max_steps=400, port=port), "--max-steps", "40")
     scd_processes.append(scd)
     scd.wait_for_line("step 5 ")
     assert scrape(port, "/healthz") == "ok\n"
-    # A second scd on the same port stops before Ray starts, naming the key.
-    second = ScdProcess(config, "--max-steps", "40")
-    scd_processes.append(second)
-    assert second.wait(timeout=60) == 2, second.output()[-3000:]
-    assert "telemetry.metrics_port" in second.output() and f"127.0.0.1:{port}" in second.output()
-    assert "Ray" not in second.output() and "Traceback" not in second.output()
     text = scrape(port)
     assert metric(text, "scd_trainer_step") >= 5
     assert metric(text, "scd_weight_version") >= 5
@@ -55,6 +48,20 @@ def test_run_reaches_max_steps_with_metrics(tmp_path: Path, scd_processes: list[
     out = scd.output()
     assert "step 40 version 40" in out
     assert "step 41 " not in out
+
+
+def test_a_metrics_port_in_use_exits_2_naming_it_before_ray_starts(tmp_path: Path,
+                                                                    scd_processes: list[ScdProcess]) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        scd = ScdProcess(write_config(tmp_path, port=port))
+        scd_processes.append(scd)
+        assert scd.wait(timeout=60) == 2, scd.output()[-3000:]
+    out = scd.output()
+    assert "scd: error: config key 'telemetry.metrics_port'" in out and f"127.0.0.1:{port}" in out
+    assert "ray" not in out.lower() and "Traceback" not in out
 
 
 def test_sigterm_drains_and_exits_zero_with_sd_notify(tmp_path: Path, scd_processes: list[ScdProcess]) -> None:
