@@ -499,7 +499,7 @@ def test_scd_checkpoint_inspect_and_list(golden: dict[str, Any]) -> None:
     assert out.returncode == 0, out.stderr
     summary = orjson.loads(out.stdout)
     for key in ("step", "weight_version", "epoch", "sampler", "groups", "samples", "ledger", "sidecar_bytes",
-                "data_plane_bytes", "digest"):
+                "data_plane_bytes", "digest", "trigger", "crash_restores", "prefixes_part_way", "prefix_tokens"):
         assert key in summary
     assert summary["step"] == 6 and summary["sampler"] == "windowed" and summary["storage_units"] == 1
     assert summary["ledger"]["ready"] == summary["groups"] == golden["groups"]

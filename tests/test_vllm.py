@@ -11,6 +11,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 import tomllib
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -260,20 +261,32 @@ def test_scd_run_on_vllm_reaches_max_steps_with_both_metric_families(tiny_llama:
 def test_vllm_with_two_trainer_ranks_checkpoints_is_killed_restores_and_trains_on(
         tiny_llama: Path, tmp_path: Path, scd_processes: list[ScdProcess]) -> None:
     """Two FSDP2 ranks on Ray train; their weights reach the engine in memory, a layer at a time.
-    Staleness 0, so that every step measures the trainer/generation logprob agreement."""
+    Staleness 0, so that every step measures the trainer/generation logprob agreement.  Completions
+    of up to 24 tokens: the SIGKILL comes after a bundle that holds part-way ones, which the restart
+    resumes (those of the cut's version) or drops (older: out of a window of 0 versions)."""
     config = vllm_cpu_config(tmp_path, tiny_llama, checkpointing={"enabled": True, "interval_s": 3600},
                              async_rl={"sampler.max_staleness_versions": 0},
-                             generation={"group_size": 8}, trainer={"groups_per_step": 8, "world_size": 2},
-                             data_plane={"ray.num_cpus": 5})
+                             task={"min_digits": 24, "max_digits": 24},
+                             generation={"group_size": 8, "max_new_tokens": 24},
+                             trainer={"groups_per_step": 8, "world_size": 2}, data_plane={"ray.num_cpus": 5})
     root = tmp_path / "out" / "checkpoints"
     first = ScdProcess(config)
     scd_processes.append(first)
     first.wait_for_line("step 3 ", timeout=300)
-    first.signal(signal.SIGUSR1)
-    first.wait_for_line("(signal)")
-    [bundle] = layout.finalized_bundles(root)
+    for _ in range(5):  # until a bundle holds part-way completions
+        before = set(layout.finalized_bundles(root))
+        first.signal(signal.SIGUSR1)
+        deadline = time.monotonic() + 120
+        while not set(layout.finalized_bundles(root)) - before and time.monotonic() < deadline:
+            time.sleep(0.05)
+        [bundle] = set(layout.finalized_bundles(root)) - before
+        prefixes = orjson.loads((bundle / layout.SIDECAR_FILE).read_bytes())["prefixes"]
+        if any(not p[5] for p in prefixes):
+            break
+        first.wait_for_line(f"step {layout.step_of(bundle) + 1} ")
     verify_bundle(bundle)
     step = layout.step_of(bundle)
+    assert step is not None and any(not p[5] for p in prefixes)
     first.kill_group()
     second = ScdProcess(config, "--max-steps", str(step + 3))
     scd_processes.append(second)
@@ -287,6 +300,14 @@ def test_vllm_with_two_trainer_ranks_checkpoints_is_killed_restores_and_trains_o
     steps = [e for e in log if e["event"] == "train_step"]
     # The engine serves exactly the ranks' weights: on-policy rows agree with the trainer.
     assert all(e["logprob_mismatch_tokens"] > 0 and e["logprob_mismatch_max"] < 1e-3 for e in steps)
+    # The restore took up every prefix of the cut's version and dropped the older ones, as counted.
+    restore = log[restored_at]
+    current = [p for p in prefixes if p[4][0][1] >= step]
+    assert restore["siblings_resumed"] == sum(1 for p in current if not p[5])
+    assert restore["prefix_tokens_reused"] == sum(len(p[2]) for p in current)
+    assert restore["prefix_tokens_dropped"] == sum(len(p[2]) for p in prefixes if p[4][0][1] < step)
+    trained = [tuple(p) for e in log[restored_at:] if e["event"] == "train_step" for p in e["prompt_ids"]]
+    assert len(trained) == len(set(trained)), "a prompt trained twice"
 
 
 async def test_vllm_resumes_part_way_siblings_bit_identical_and_goes_on_from_the_restored_weights(

@@ -32,5 +32,9 @@ def inspect_bundle(path: Path) -> dict[str, object]:
         "data_plane_bytes": info.data_plane_bytes, "digest": info.replay_digest, "capacity": info.capacity,
         "time": info.time, "config_fingerprint": info.config_fingerprint,
         "run_id": info.run.run_id if info.run is not None else None, "prompt_fates": verified.sidecar.prompt_fates,
+        "trigger": info.trigger, "crash_restores": info.run.crash_restores if info.run is not None else 0,
+        "prefixes_part_way": sum(1 for p in verified.sidecar.prefixes if not p.finish_reason),
+        "prefixes_finished": sum(1 for p in verified.sidecar.prefixes if p.finish_reason),
+        "prefix_tokens": sum(len(p.token_ids) for p in verified.sidecar.prefixes),
     }
 
