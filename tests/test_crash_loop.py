@@ -89,7 +89,7 @@ def test_crash_loop_loses_nothing(tmp_path: Path, scd_processes: list[ScdProcess
         note_newest_bundle()
         scd = ScdProcess(config)
         scd_processes.append(scd)
-        scd.wait_for_line("metrics on http")
+        scd.wait_for_line("TransferQueue: controller on")  # Ray and TQ are up: the kill lands in the run
         time.sleep(rng.uniform(0.0, 2.5))
         assert scd.proc.poll() is None, scd.output()[-3000:]
         scd.kill_group()

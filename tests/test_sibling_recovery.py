@@ -146,7 +146,7 @@ def test_sigkill_with_groups_part_finished_reuses_their_siblings_and_trains_each
     root = tmp_path / "out" / "checkpoints"
     first = ScdProcess(config)
     scd_processes.append(first)
-    first.wait_for_line("metrics on http")
+    first.wait_for_line("TransferQueue: controller on")
     # Checkpoints only when asked: the newest bundle at the kill is the one inspected here.
     staged: dict[str, list[list[int]]] = {}
     deadline = time.monotonic() + 150
