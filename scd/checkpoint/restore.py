@@ -357,7 +357,7 @@ async def restore_state(config: Config, parts: RestoreParts, restore_from: Path 
     report = RestoreReport(
         bundle=bundle, step=info.step, bundle_time=info.time, groups_restored=len(state.replay),
         groups_evicted_stale=len(evicted), prompts_redispatched=redispatched, shadow=shadow,
-        uncut_groups_cleared=uncut_cleared, siblings_reused=reused + prefixes.finished_reused, siblings_rerun=rerun,
+        uncut_groups_cleared=uncut_cleared, siblings_reused=reused, siblings_rerun=rerun,
         stale_tokens=stale_tokens, prefix_tokens_reused=prefixes.reused_tokens,
         prefix_tokens_dropped=prefixes.dropped_tokens, siblings_resumed=prefixes.resumed, phases=clock.stop(),
     )
@@ -440,7 +440,6 @@ class PrefixOutcome:
     reused_tokens: int = 0
     dropped_tokens: int = 0
     resumed: int = 0
-    finished_reused: int = 0
 
 
 def resume_prefixes(partials: list[PartialSibling], state: ControllerState, rollouts: Rollouts,
@@ -458,7 +457,6 @@ def resume_prefixes(partials: list[PartialSibling], state: ControllerState, roll
         if prefix.oldest_version >= window_start and partial.finish_reason is not None:
             finished.setdefault(partial.group_id, {})[partial.index] = Completion(
                 list(prefix.token_ids), list(prefix.logprobs), partial.finish_reason, prefix.oldest_version)
-            outcome.finished_reused += 1
         elif (prefix.oldest_version >= window_start and generation.resumable
               and n < rollouts.max_tokens_of(partial.group_id)):
             resumed.setdefault(partial.group_id, {})[partial.index] = prefix
