@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import msgspec
 import orjson
 import torch
 
@@ -51,7 +52,12 @@ async def crash_mid_generation_and_resume(config: Any, backend: GenerationBacken
     """Generate 4 groups until some siblings are staged, checkpoint while generation goes on, then
     cut generation off as a crash would.  A fresh controller restores the bundle: its staged
     siblings come back whole, only the missing ones are generated, and each group commits with the
-    staged rows in it.  Returns how many siblings were reused."""
+    staged rows in it.  Returns how many siblings were reused.
+
+    Staging alone: without prefixes, so that what comes back is what was staged (a finished sibling
+    still queued at the cut, and part-way ones, come back through prefixes: tests/test_prefix_resume.py)."""
+    config = msgspec.structs.replace(
+        config, checkpointing=msgspec.structs.replace(config.checkpointing, capture_prefixes=False))
     async with Controller.open(config, backend) as controller:
         requests = [await controller.rollouts.admit() for _ in range(4)]
         if max_tokens is not None:
