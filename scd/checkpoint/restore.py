@@ -18,6 +18,7 @@ telemetry, as save does.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import shutil
 import time
@@ -343,8 +344,7 @@ async def restore_state(config: Config, parts: RestoreParts, restore_from: Path 
 
     reused, rerun, stale_sibling_tokens = await restore_staged_siblings(state, dataplane, parts.rollouts)
     rerun += len(staged_in_bundle) if shadow else 0
-    prefixes = resume_prefixes([] if shadow else partials, state, parts.rollouts, parts.generation)
-    prefixes.dropped_tokens += sum(len(p.prefix.token_ids) for p in partials) if shadow else 0
+    prefixes = resume_prefixes(partials, state, parts.rollouts, parts.generation, shadow)
     clock.lap(RestorePhase.SIBLINGS)
     evicted = await parts.rollouts.evict_stale(at_restore=True)
     stale_tokens = stale_sibling_tokens + sum(group.completion_tokens for group in evicted)
@@ -443,13 +443,14 @@ class PrefixOutcome:
 
 
 def resume_prefixes(partials: list[PartialSibling], state: ControllerState, rollouts: Rollouts,
-                    generation: GenerationBackend) -> PrefixOutcome:
+                    generation: GenerationBackend, shadow: bool) -> PrefixOutcome:
     """The bundle's prefixes handed to ``rollouts``: finished siblings as finished, part-way ones to resume
     (their groups' next requests go on from them).  One whose oldest token is out of the staleness window
     is dropped (its sibling generated again), as is every part-way one when the backend cannot resume or
-    the prompt's budget has no room left for it."""
+    the prompt's budget has no room left for it, and every one in a shadow restore (its siblings are all
+    generated again)."""
     outcome = PrefixOutcome()
-    window_start = state.window_start()
+    window_start = math.inf if shadow else state.window_start()
     finished: dict[str, dict[int, Completion]] = {}
     resumed: dict[str, dict[int, Prefix]] = {}
     for partial in partials:

@@ -64,10 +64,6 @@ class ChunkedWeights(Mapping[str, torch.Tensor]):
     def __len__(self) -> int:
         return len(self.entries)
 
-    def release(self) -> None:
-        """Drop the chunk held: the sync is over."""
-        self._held = (-1, {})
-
 
 def unaliased(weights: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
     """``weights`` without tensors that alias an earlier one (tied embeddings): what a checkpoint holds
