@@ -228,7 +228,7 @@ class TelemetryConfig(_Section):
     # max(stall_after_s, stall_after_steps x the median of the recent step times) while the run serves.
     stall_after_s: float = 300.0
     stall_after_steps: float = 20.0
-    # Experiment trackers fed from the event log, each in its own thread (scd.telemetry.trackers); the
+    # Experiment trackers fed from the event log, each in a process of its own (scd.telemetry.tracker_hub); the
     # packages come with the extra: pip install 'scd[trackers]'.
     trackers: list[Literal["tensorboard", "wandb", "mlflow"]] = msgspec.field(default_factory=list)
     tensorboard: TensorBoardConfig = msgspec.field(default_factory=TensorBoardConfig)

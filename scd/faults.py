@@ -6,7 +6,9 @@ point raises ``OSError(ENOSPC)`` (action ``enospc``, a full disk) or
 ``FaultInjected`` (action ``fail``, an error in the code there), or, at a
 point passed on the event loop (``wait_at``), the task passing it waits forever
 (action ``block``, a hung dependency) or ``SLOW_S`` seconds (action ``slow``, a
-slow save).  A point named more than once acts at
+slow save); at a tracker's point (``<tracker>_log``, passed in the tracker's own
+process, which is given this process's spec) the tracker hangs there (``block``).
+A point named more than once acts at
 each passage named (``mid_weight_broadcast:1=fail,mid_weight_broadcast:2=fail``).
 Unset in production; passing a point is then one dict lookup.  In-process tests
 arm points for a block with ``armed``.
@@ -17,6 +19,7 @@ from __future__ import annotations
 import errno
 import os
 import sys
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -27,9 +30,11 @@ POINTS = (
     "mid_sidecar_write", "before_finalize_rename",
     "after_finalize_before_latest", "during_retention", "during_restore_tq_load", "during_restore_index",
     "before_dispatch", "mid_weight_broadcast", "during_weight_reload",
+    "tensorboard_log", "wandb_log", "mlflow_log",
 )
 ACTIONS = ("exit", "enospc", "block", "fail", "slow")
-EVENT_LOOP_POINTS = ("before_dispatch", "in_exclusive_hold")  # passed with ``wait_at``: the only ones that wait
+EVENT_LOOP_POINTS = ("before_dispatch", "in_exclusive_hold")  # passed with ``wait_at``
+TRACKER_POINTS = ("tensorboard_log", "wandb_log", "mlflow_log")  # passed in a tracker's process: they may block
 SLOW_S = 0.5
 
 
@@ -45,29 +50,39 @@ def _parse(spec: str) -> dict[str, tuple[list[int], dict[int, str]]]:
         point, _, count = target.partition(":")
         action = action or "exit"
         if (point not in POINTS or action not in ACTIONS or (count and not count.isdigit())
-                or (action in ("block", "slow") and point not in EVENT_LOOP_POINTS)):
+                or (action == "block" and point not in EVENT_LOOP_POINTS + TRACKER_POINTS)
+                or (action == "slow" and point not in EVENT_LOOP_POINTS)):
             raise SystemExit(f"scd: error: SCD_FAULT={spec!r}: unknown point or action in {item!r}; "
                              f"points: {', '.join(POINTS)}; actions: {', '.join(ACTIONS)} "
-                             f"(block and slow only at {', '.join(EVENT_LOOP_POINTS)})")
+                             f"(block only at {', '.join(EVENT_LOOP_POINTS + TRACKER_POINTS)}; "
+                             f"slow only at {', '.join(EVENT_LOOP_POINTS)})")
         faults.setdefault(point, ([0], {}))[1][int(count or 1)] = action
     return faults
 
 
 _FAULTS = _parse(os.environ.get("SCD_FAULT", ""))
+_spec = [os.environ.get("SCD_FAULT", "")]  # what _FAULTS was parsed from: a tracker's process is given it
+
+
+def armed_spec() -> str:
+    """The ``SCD_FAULT`` spec armed now, for a process of scd's own that passes points of its own."""
+    return _spec[0]
 
 
 @contextmanager
 def armed(spec: str) -> Iterator[None]:
     """Inside the block, this process's fault points are the ones ``SCD_FAULT=spec`` names (passages
     counted from the block's start); the ones before come back after it."""
-    before = dict(_FAULTS)
+    before, before_spec = dict(_FAULTS), _spec[0]
     _FAULTS.clear()
     _FAULTS.update(_parse(spec))
+    _spec[0] = spec
     try:
         yield
     finally:
         _FAULTS.clear()
         _FAULTS.update(before)
+        _spec[0] = before_spec
 
 
 def _fires(point: str) -> str | None:
@@ -93,8 +108,11 @@ async def wait_at(point: str) -> None:
 
 
 def hit(point: str) -> None:
-    """Pass fault point ``point``; dies or raises there if SCD_FAULT says so."""
+    """Pass fault point ``point``; dies or raises there if SCD_FAULT says so (or hangs, at a tracker's)."""
     action = _fires(point)
+    if action == "block":
+        sys.stderr.write(f"scd: SCD_FAULT: blocking at {point}\n")
+        threading.Event().wait()
     if action is not None:
         _act(point, action)
 

@@ -1,5 +1,5 @@
 """An scd SIGKILLed as an OOM kill would take it (its main process only) leaves no process of its
-embedded Ray, and a new scd started at once restores and runs on for minutes (issue 20).
+embedded Ray or of its experiment trackers, and a new scd started at once restores and runs on for minutes (issue 20).
 
 Before the fix, Ray's agents and TQ's actors outlived each kill, and an scd started soon after
 a killed one lost its GCS ~30 s in ("Failed to connect to GCS").
@@ -28,7 +28,9 @@ STEP_TOKENS = 8 * 8 * 16  # groups_per_step (tests/conftest.py TINY) x group_siz
 STEPS_WITHOUT_GENERATION = 5
 FINAL_STEPS = STEPS_WITHOUT_GENERATION + int(FINAL_RUN_S * TOKENS_PER_S / STEP_TOKENS)
 
+# Every tracker on: their processes must go with scd too (each sees its stdin end, or its parent gone).
 CONFIG_EXTRA = (
+    'trackers = ["tensorboard", "wandb", "mlflow"]\n[telemetry.wandb]\nmode = "offline"\n'
     "\n[checkpointing]\nenabled = true\ninterval_s = 1.0\nkeep_last = 2\n"
     '[async_rl.sampler]\nname = "windowed"\nmax_staleness_versions = 1\n'
 )

@@ -2,7 +2,7 @@
 
 Appended across restarts, so a series continues where the last process left it.
 Records are stamped and written one at a time, so the file is in time order.  Each
-record is also handed to the experiment trackers (``scd.telemetry.trackers``), which
+line is also handed to the experiment trackers (``scd.telemetry.tracker_hub``), which
 take it off the loop; closing the log (``async with``) waits for them, bounded.
 """
 
@@ -20,7 +20,7 @@ import orjson
 
 from scd.config import TelemetryConfig
 from scd.schema import RunIdentity
-from scd.telemetry.trackers import TrackerHub
+from scd.telemetry.tracker_hub import TrackerHub
 
 
 class EventLog:
@@ -38,10 +38,11 @@ class EventLog:
     async def emit(self, event: str, step: int, **fields: Any) -> None:
         async with self._lock:
             record = {"event": event, "time": time.time(), "step": step, **fields}
+            line = orjson.dumps(record, option=orjson.OPT_NON_STR_KEYS) + b"\n"
             async with aiofiles.open(self.path, "ab") as f:
-                await f.write(orjson.dumps(record, option=orjson.OPT_NON_STR_KEYS) + b"\n")
+                await f.write(line)
             if self.trackers is not None:
-                self.trackers.offer(record)
+                self.trackers.offer(event, line)
 
     async def __aenter__(self) -> Self:
         return self

@@ -1,4 +1,4 @@
-"""Experiment trackers (TensorBoard, Weights & Biases, MLflow), fed from the event log, never on the event loop.
+"""Experiment trackers (TensorBoard, Weights & Biases, MLflow): what each one is given, and how.
 
 ``telemetry.trackers`` lists them.  Each gets the numbers of every ``train_step`` event (``train/...``:
 the same scalars, the skew figure included), and of ``checkpoint`` and ``restore`` events: outcomes
@@ -7,31 +7,24 @@ the same scalars, the skew figure included), and of ``checkpoint`` and ``restore
 since the logical run first started, which go on across restarts (each tracker's own timestamp is the
 event's absolute time).  W&B plots everything against ``trainer/step``.
 
-Never on the event loop: the loop only puts a record on each tracker's bounded queue, and a thread per
-tracker does the rest.  A full queue drops the record and counts it (``scd_tracker_dropped_records_total``),
-so a slow or hung tracker never delays a pump.  A tracker that raises is disabled with one warning and
-counted (``scd_tracker_errors_total``); the run goes on.
+Each tracker runs in a process of its own (``scd.telemetry.tracker_process``), fed by scd's
+``scd.telemetry.tracker_hub``; this module is what that process runs, and the check scd makes first.
 
 One logical run across restarts: its identity (``RunIdentity``) is part of every checkpoint cut.
 TensorBoard writes to ``<tensorboard.dir>/<run id>``, W&B resumes the run with that id, MLflow the run
 tagged ``scd.run_id`` with it.  A restore trains again the steps after its bundle's cut, which the trackers
 may already hold from before the crash: each tracker keeps the highest train step it logged, per run, in
-``<run.output_dir>/trackers/<name>.json``, written before the step is logged, so no tracker ever gets a
+``<run.output_dir>/trackers/<name>.jsonl``, written before the step is logged, so no tracker ever gets a
 train step twice (``events.jsonl`` keeps both).
 """
-
 from __future__ import annotations
 
-import functools
 import importlib.util
 import logging
 import math
 import os
-import queue
 import re
-import threading
-import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -41,25 +34,21 @@ import orjson
 from scd.config import MlflowConfig, TelemetryConfig, TensorBoardConfig, WandbConfig
 from scd.errors import ConfigError
 from scd.schema import RunIdentity
-from scd.telemetry import metrics
 
 log = logging.getLogger(__name__)
 
 STEP_KEY = "trainer/step"  # W&B's step axis (TensorBoard and MLflow have a step of their own)
 TIME_KEY = "time/run_s"
 MLFLOW_RUN_TAG = "scd.run_id"
-# Records a tracker may fall behind by before the loop drops them: minutes of steps at any real step rate.
-QUEUE_RECORDS = 4096
-CLOSE_TIMEOUT_S = 30.0  # a tracker still busy then is left behind (its thread is a daemon) with a warning
 
 # The import each tracker needs, checked before Ray starts.
 PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}
-# What each tracker's thread imports as it starts, while the controller starts and restores: a second of
-# Python holding the GIL that would otherwise land on the first train steps.
-_MODULES = {"tensorboard": "tensorboard.summary.writer.event_file_writer", "wandb": "wandb",
+# What each tracker's process imports as it starts, while the controller starts and restores.
+MODULES = {"tensorboard": "tensorboard.summary.writer.event_file_writer", "wandb": "wandb",
             "mlflow": "mlflow.tracking"}
 # Events that reach trackers, and the prefix of their scalars.
 _PREFIXES = {"train_step": "train/", "checkpoint": "checkpoint/", "restore": "restore/"}
+SHOWN_EVENTS = frozenset(_PREFIXES)
 _AXES = frozenset({"event", "time", "step"})
 
 
@@ -199,7 +188,7 @@ class MlflowTracker:
 
 
 def open_tracker(name: str, telemetry: TelemetryConfig, run: RunIdentity) -> Tracker:
-    """Blocking (W&B starts its service, MLflow searches its runs): called in the tracker's thread."""
+    """Blocking: W&B starts its service, MLflow searches its runs."""
     if name == "tensorboard":
         return TensorBoardTracker(telemetry.tensorboard, run)
     if name == "wandb":
@@ -208,127 +197,42 @@ def open_tracker(name: str, telemetry: TelemetryConfig, run: RunIdentity) -> Tra
 
 
 class StepMark:
-    """The highest train step one tracker logged in one run, kept across restarts."""
+    """The highest train step one tracker logged in one run, kept across restarts.
+
+    An append-only line per step, not a file replaced per step: a rename per step makes ext4 write the
+    new file's blocks out first (its replace-by-rename safeguard), which on a 2-core box slowed the
+    trainer beside it by several percent.  A line torn by a crash is skipped: the step it was for had
+    not been logged yet.  Opening keeps only the newest line.
+    """
 
     def __init__(self, path: Path, run_id: str) -> None:
-        self._path, self._run_id = path, run_id
-        self.step = self._read()
+        self._run_id = run_id
+        self.step = self._read(path)
         path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_bytes(self._line(self.step))
+        os.replace(tmp, path)
+        self._fd = os.open(path, os.O_WRONLY | os.O_APPEND)
 
-    def _read(self) -> int:
+    def _line(self, step: int) -> bytes:
+        return orjson.dumps({"run_id": self._run_id, "step": step}) + b"\n"
+
+    def _read(self, path: Path) -> int:
         try:
-            saved = orjson.loads(self._path.read_bytes())
-            return int(saved["step"]) if saved.get("run_id") == self._run_id else 0
+            lines = path.read_bytes().splitlines()
         except FileNotFoundError:
             return 0
-        except (orjson.JSONDecodeError, AttributeError, KeyError, TypeError, ValueError):
-            log.warning("%s is not a tracker step mark: the tracker may get train steps it already holds",
-                        self._path)
-            return 0
+        steps = []
+        for line in lines:
+            try:
+                saved = orjson.loads(line)
+                steps.append(int(saved["step"]) if saved["run_id"] == self._run_id else 0)
+            except (orjson.JSONDecodeError, KeyError, TypeError, ValueError):
+                continue
+        if lines and not steps:
+            log.warning("%s is not a tracker step mark: the tracker may get train steps it already holds", path)
+        return max(steps, default=0)
 
     def advance(self, step: int) -> None:
         self.step = step
-        tmp = self._path.with_suffix(".tmp")
-        tmp.write_bytes(orjson.dumps({"run_id": self._run_id, "step": step}))
-        os.replace(tmp, self._path)
-
-
-class TrackerWorker:
-    """One tracker in a thread of its own, fed through a bounded queue that drops rather than blocks."""
-
-    def __init__(self, name: str, opener: Callable[[RunIdentity], Tracker], run_of: Callable[[], RunIdentity],
-                 mark_dir: Path) -> None:
-        self.name = name
-        self._opener, self._run_of, self._mark_dir = opener, run_of, mark_dir
-        self._queue: queue.Queue[Mapping[str, Any] | None] = queue.Queue(QUEUE_RECORDS)
-        self._failed = False
-        metrics.tracker_errors.labels(name)
-        metrics.tracker_dropped.labels(name)
-        self._thread = threading.Thread(target=self._serve, name=f"scd-tracker-{name}", daemon=True)
-        self._thread.start()
-
-    def offer(self, record: Mapping[str, Any]) -> None:
-        """On the event loop: never blocks."""
-        if self._failed:
-            return
-        try:
-            self._queue.put_nowait(record)
-        except queue.Full:
-            metrics.tracker_dropped.labels(self.name).inc()
-
-    def _serve(self) -> None:
-        opened: tuple[Tracker, StepMark, RunIdentity] | None = None
-        try:
-            importlib.import_module(_MODULES[self.name])
-            while (record := self._queue.get()) is not None:
-                # The run's identity is read at the first record the tracker shows, not before: by then a
-                # restore has put it back.
-                run = opened[2] if opened is not None else self._run_of()
-                point = point_of(record, run)
-                if point is None:
-                    continue
-                if opened is None:
-                    opened = (self._opener(run), StepMark(self._mark_dir / f"{self.name}.json", run.run_id), run)
-                tracker, mark, _ = opened
-                if point.train:
-                    if point.step <= mark.step:
-                        continue  # logged before a crash, trained again after the restore
-                    mark.advance(point.step)
-                tracker.log(point)
-                if self._queue.empty():
-                    tracker.flush()
-            if opened is not None:
-                opened[0].close()
-        except Exception as exc:
-            self._fail(exc, opened[0] if opened is not None else None)
-
-    def _fail(self, exc: Exception, tracker: Tracker | None) -> None:
-        self._failed = True
-        metrics.tracker_errors.labels(self.name).inc()
-        log.warning("experiment tracker %s raised %r: disabled for the rest of this process; training goes on",
-                    self.name, exc, exc_info=exc)
-        if tracker is not None:
-            try:
-                tracker.close()
-            except Exception as close_error:
-                log.debug("closing the failed tracker %s raised too: %r", self.name, close_error)
-
-    def stop(self) -> None:
-        """Ask the thread to log what is queued, then close its tracker."""
-        if self._failed:
-            return
-        try:
-            self._queue.put(None, timeout=1.0)
-        except queue.Full:
-            log.warning("experiment tracker %s is %d records behind at exit", self.name, self._queue.qsize())
-
-    def join(self, timeout: float) -> bool:
-        self._thread.join(timeout)
-        return not self._thread.is_alive()
-
-
-class TrackerHub:
-    """Every listed tracker's worker.  ``offer`` is the event log's hand-off (on the loop, non-blocking);
-    ``close`` waits for the workers, bounded, off the loop."""
-
-    def __init__(self, telemetry: TelemetryConfig, output_dir: Path, run_of: Callable[[], RunIdentity]) -> None:
-        require_tracker_packages(telemetry)
-        if "mlflow" in telemetry.trackers and telemetry.mlflow.tracking_uri.startswith("file:"):
-            # MLflow 3 refuses its file store unless told it is wanted: it is this setting's default.
-            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
-        self.workers = [TrackerWorker(name, functools.partial(open_tracker, name, telemetry), run_of,
-                                      output_dir / "trackers") for name in telemetry.trackers]
-
-    def offer(self, record: Mapping[str, Any]) -> None:
-        for worker in self.workers:
-            worker.offer(record)
-
-    def close(self) -> None:
-        for worker in self.workers:
-            worker.stop()
-        timeout_s = CLOSE_TIMEOUT_S
-        deadline = time.monotonic() + timeout_s
-        for worker in self.workers:
-            if not worker.join(max(0.0, deadline - time.monotonic())):
-                log.warning("experiment tracker %s did not finish within %.0fs: its last records may be lost",
-                            worker.name, timeout_s)
+        os.write(self._fd, self._line(step))
