@@ -95,7 +95,8 @@ class TrackerFeed:
 
     def _watch(self) -> None:
         assert self._process.stdout is not None
-        report = self._process.stdout.readline()
+        with self._process.stdout:
+            report = self._process.stdout.readline()
         code = self._process.wait()
         if report:
             error = orjson.loads(report)
@@ -122,8 +123,8 @@ class TrackerFeed:
             if self._pending:
                 time.sleep(_CLOSE_POLL_S)
         behind = len(self._pending)
-        os.close(self._stdin)  # the end of input: the process logs what it read, then closes its tracker
-        self._process.stdin = None  # closed above
+        assert self._process.stdin is not None
+        self._process.stdin.close()  # the end of input: the process logs what it read, then closes its tracker
         try:
             self._process.wait(max(0.0, deadline - time.monotonic()))
             return True
