@@ -61,28 +61,29 @@ def _parse(spec: str) -> dict[str, tuple[list[int], dict[int, str]]]:
 
 
 _FAULTS = _parse(os.environ.get("SCD_FAULT", ""))
-_spec = [os.environ.get("SCD_FAULT", "")]  # what _FAULTS was parsed from: a tracker's process is given it
+_spec = os.environ.get("SCD_FAULT", "")  # what _FAULTS was parsed from: a tracker's process is given it
 
 
 def armed_spec() -> str:
     """The ``SCD_FAULT`` spec armed now, for a process of scd's own that passes points of its own."""
-    return _spec[0]
+    return _spec
 
 
 @contextmanager
 def armed(spec: str) -> Iterator[None]:
     """Inside the block, this process's fault points are the ones ``SCD_FAULT=spec`` names (passages
     counted from the block's start); the ones before come back after it."""
-    before, before_spec = dict(_FAULTS), _spec[0]
+    global _spec
+    before, before_spec = dict(_FAULTS), _spec
     _FAULTS.clear()
     _FAULTS.update(_parse(spec))
-    _spec[0] = spec
+    _spec = spec
     try:
         yield
     finally:
         _FAULTS.clear()
         _FAULTS.update(before)
-        _spec[0] = before_spec
+        _spec = before_spec
 
 
 def _fires(point: str) -> str | None:
@@ -112,8 +113,8 @@ def hit(point: str) -> None:
     action = _fires(point)
     if action == "block":
         sys.stderr.write(f"scd: SCD_FAULT: blocking at {point}\n")
-        threading.Event().wait()
-    if action is not None:
+        threading.Event().wait()  # for good: a hung tracker
+    elif action is not None:
         _act(point, action)
 
 

@@ -98,6 +98,20 @@ def sweep(directory: str, spared: set[int]) -> list[str]:
     return [f"{name} ({pid})" for pid, name in killed.items()]
 
 
+def open_parent_pidfd(owner: int) -> int | None:
+    """A pidfd for ``owner``, this process's parent (readable once it exits), or None when it has exited
+    already."""
+    try:
+        owner_fd = os.pidfd_open(owner)
+    except ProcessLookupError:
+        return None
+    if os.getppid() != owner:
+        # The owner died before its pidfd was opened; the pid may name another process now.
+        os.close(owner_fd)
+        return None
+    return owner_fd
+
+
 def watch(owner: int) -> str:
     """Block until ``owner`` exits or sends SIGUSR1; which of the two happened."""
     wake_read, wake_write = os.pipe()
@@ -105,12 +119,8 @@ def watch(owner: int) -> str:
     signal.set_wakeup_fd(wake_write)
     # A handler, not SIG_IGN: only a handled signal reaches the wakeup fd.
     signal.signal(signal.SIGUSR1, lambda *_: None)
-    try:
-        owner_fd = os.pidfd_open(owner)
-    except ProcessLookupError:
-        return "exited"
-    if os.getppid() != owner:
-        # The owner (our parent) died before its pidfd was opened; the pid may name another process now.
+    owner_fd = open_parent_pidfd(owner)
+    if owner_fd is None:
         return "exited"
     sys.stdout.buffer.write(READY)
     sys.stdout.buffer.flush()

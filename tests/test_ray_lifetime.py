@@ -71,18 +71,27 @@ def process_table() -> dict[int, tuple[int, int, str, str]]:
     return table
 
 
+def cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
 def processes_of(scd: ScdProcess) -> dict[tuple[int, int], str]:
     """Every live process scd started, at any depth, or in its session: (pid, start time) -> name."""
     table = process_table()
     root = scd.proc.pid
-    found = {pid for pid, (_, session, _, _) in table.items() if session == root and pid != root}
+    in_session = {pid for pid, (_, session, _, _) in table.items() if session == root and pid != root}
+    # Every descendant, also below one in the session: W&B's service starts a session of its own.
+    descendants: set[int] = set()
     frontier = [root]
     while frontier:
         parent = frontier.pop()
-        children = [pid for pid, (ppid, _, _, _) in table.items() if ppid == parent and pid not in found]
-        found.update(children)
+        children = [pid for pid, (ppid, _, _, _) in table.items() if ppid == parent and pid not in descendants]
+        descendants.update(children)
         frontier.extend(children)
-    return {(pid, table[pid][2]): table[pid][3] for pid in found}
+    return {(pid, table[pid][2]): table[pid][3] for pid in in_session | descendants}
 
 
 def survivors(recorded: dict[tuple[int, int], str], within_s: float) -> dict[tuple[int, int], str]:
@@ -114,12 +123,20 @@ def test_sigkilled_scd_leaves_no_ray_process_and_the_next_runs_for_minutes(
             scd.wait_for_line("restored ", timeout=180)
         scd.wait_for_line("scd.daemon: step ", timeout=180)
         scd.wait_for_line("checkpoint step_", timeout=60)
-        ray_processes = processes_of(scd)
-        names = set(ray_processes.values())
+        # The trackers' processes, and W&B's service once its tracker has opened, are among those that must go.
+        deadline = time.monotonic() + 60
+        while True:
+            started = processes_of(scd)
+            names = set(started.values())
+            if "wandb-core" in names:
+                break
+            assert time.monotonic() < deadline, names
+            time.sleep(0.5)
         assert {"gcs_server", "raylet"} <= names and any(n.startswith("ray::") for n in names), names
+        assert len([pid for pid, _ in started if b"scd.telemetry.tracker_process" in cmdline(pid)]) == 3
         scd.proc.kill()  # the main process only, as an OOM kill takes it
         assert scd.wait(timeout=30) == -signal.SIGKILL
-        left = survivors(ray_processes, GONE_WITHIN_S)
+        left = survivors(started, GONE_WITHIN_S)
         assert not left, f"kill {kill + 1}: alive {GONE_WITHIN_S:.0f}s after scd's SIGKILL: {sorted(left.items())}"
 
     newest = layout.finalized_bundles(root)[-1]

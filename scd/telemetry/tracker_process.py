@@ -14,8 +14,9 @@ The pipes (``scd.telemetry.tracker_hub`` is the other end):
 - stdout, as it was at start (fd 1 is then pointed at stderr, so a library's prints cannot corrupt
   it): one ``{"error", "traceback"}`` line if the tracker raised, after which the process exits 1.
 
-At EOF on stdin, or when scd's process is gone (a fork of scd may still hold the pipe), the tracker
-logs what it was sent and closes; ``CLOSE_TIMEOUT_S`` bounds that, so it always dies with scd.
+At EOF on stdin, or when scd's process is gone (its pidfd, as ``scd.reaper`` watches it: a fork of
+scd may still hold the pipe), the tracker logs what it was sent and closes; ``CLOSE_TIMEOUT_S``
+bounds that, so it always dies with scd.
 """
 
 from __future__ import annotations
@@ -23,9 +24,9 @@ from __future__ import annotations
 import importlib
 import os
 import queue
+import select
 import sys
 import threading
-import time
 import traceback
 from pathlib import Path
 from typing import BinaryIO
@@ -33,7 +34,7 @@ from typing import BinaryIO
 import msgspec
 import orjson
 
-from scd import faults
+from scd import faults, reaper
 from scd.config import TelemetryConfig
 from scd.schema import RunIdentity
 from scd.telemetry.trackers import MODULES, StepMark, open_tracker, point_of
@@ -44,7 +45,6 @@ from scd.telemetry.trackers import MODULES, StepMark, open_tracker, point_of
 NICENESS = 10
 # Within scd's own bound (tracker_hub.CLOSE_TIMEOUT_S), so a tracker ends itself before scd would kill it.
 CLOSE_TIMEOUT_S = 20.0
-PARENT_POLL_S = 1.0
 # Lines read ahead of the tracker: the pipe is the buffer scd bounds, so this only decouples reading
 # (watching for EOF) from logging.
 READ_AHEAD_LINES = 2
@@ -108,8 +108,9 @@ def serve(name: str, telemetry: TelemetryConfig, mark_dir: Path, lines: queue.Qu
 
 
 def watch_parent(parent: int, closing: Closing) -> None:
-    while os.getppid() == parent:
-        time.sleep(PARENT_POLL_S)
+    parent_fd = reaper.open_parent_pidfd(parent)
+    if parent_fd is not None:
+        select.select([parent_fd], [], [])  # readable once scd has exited
     closing.start()
 
 
