@@ -131,7 +131,13 @@ def test_every_tracker_shows_one_run_across_a_sigkill_and_restore(
     assert k is not None
     # Steps past the bundle reach the trackers, then die with the process: the restore trains them again.
     first.wait_for_line(f"step {k + 5} version")
-    time.sleep(1.5)
+    # The trackers run at a lower priority and may lag on a loaded box: kill only once W&B's file (the last
+    # to write, through its own service) holds a step past the bundle.
+    deadline = time.monotonic() + 120
+    while not any(row.get("trainer/step", 0) > k for run_file in (out / "wandb").glob("offline-run-*/run-*.wandb")
+                  for row in wandb_history(run_file.parent)[1]):
+        assert time.monotonic() < deadline, "W&B never logged a step past the bundle"
+        time.sleep(0.5)
     first.kill_group()
     run = decode(bundle / layout.TRAINING_INFO_FILE, TrainingInfo).run
     assert run is not None
