@@ -19,7 +19,8 @@ from pathlib import Path
 import anyio
 import orjson
 
-from bench.run import checkpoint_now, fill, tiny
+from bench.commits import checkpoint_now, fill
+from bench.configs import tiny
 from scd.checkpoint import layout
 from scd.daemon import Controller
 

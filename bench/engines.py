@@ -8,7 +8,8 @@ same engine so that the box's drift hits both alike.  Each figure is the median 
 tests' tiny Llama (0.45 MiB) and a 34M-parameter one (hidden 1024, 32 heads, 2 layers;
 128 MiB in fp32).  Goal: transfer ÷ reload <= 0.9 at 34M.
 
-``vllm_cpu_engines2_vs_1_generated_tokens_ratio`` is measured by ``bench.run.vllm_cpu``.
+``vllm_cpu``: configs/vllm-cpu.toml run with one engine, then with two
+(``vllm_cpu_engines2_vs_1_generated_tokens_ratio``).
 
 ``python -m bench.engines`` runs only these and merges their keys into bench/results/summary.json.
 """
@@ -24,12 +25,15 @@ from tempfile import TemporaryDirectory
 import anyio
 import torch
 
+from bench.commits import clear
+from bench.configs import REPO
+from bench.gpu_check import summarize_steps
 from bench.summary import merge_and_print
 from scd.config import derive_config
+from scd.daemon import Controller
 from scd.training.init_tiny import TinyLlamaShape, init_tiny
 from scd.training.policy import HFPolicy
 
-REPO = Path(__file__).resolve().parents[1]
 SYNCS = 7
 MODELS = {"tiny": TinyLlamaShape(), "34m": TinyLlamaShape(hidden_size=1024, num_layers=2, num_heads=32)}
 GOALS = {"weight_sync_transfer_vs_reload_34m": ("<=", 0.9)}
@@ -67,11 +71,35 @@ async def weight_sync(tmp: Path) -> dict[str, float]:
     return out
 
 
+async def vllm_cpu(tmp: Path, steps: int = 60) -> dict[str, float]:
+    """configs/vllm-cpu.toml in this process (vLLM's engine cores are processes of their own): per-step
+    medians with its one engine, then with two (``generation.vllm.engines = 2``, a core each).
+
+    On 2 cores the second engine competes with the trainer and scd for the same cores, so the ratio
+    measures what a second engine costs more than what it could add.
+    """
+    model = init_tiny(tmp / "tiny-llama")
+    results: dict[str, float] = {}
+    for count, prefix in ((1, "vllm_cpu_"), (2, "vllm_cpu_engines2_")):
+        out, partition = tmp / f"vllm-{count}", f"bench-vllm-{count}"
+        config = derive_config(REPO / "configs" / "vllm-cpu.toml", {
+            "run": {"output_dir": str(out)}, "model": {"name": str(model)},
+            "telemetry": {"metrics_port": 0}, "data_plane": {"partition": partition}})
+        config.generation.vllm.engines = count
+        async with Controller.open(config) as controller:
+            await controller.run(max_steps=steps)
+        await clear(partition)
+        # The first steps include the engines' warm-up.
+        measured = summarize_steps(out / "events.jsonl", after_step=5)
+        results |= {f"{prefix}{key}": value for key, value in measured.items() if value is not None}
+    results["vllm_cpu_engines2_vs_1_generated_tokens_ratio"] = (
+        results["vllm_cpu_engines2_generated_tokens_per_s"] / results["vllm_cpu_generated_tokens_per_s"])
+    return results
+
+
 async def main() -> None:
     import ray
     import transfer_queue as tq
-
-    from bench.run import vllm_cpu
 
     ray.init(address="local", num_cpus=3, include_dashboard=False, log_to_driver=False, _node_ip_address="127.0.0.2",
              logging_level=logging.WARNING)

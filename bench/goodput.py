@@ -31,6 +31,7 @@ from typing import Any
 
 import anyio
 
+from bench.configs import tiny
 from bench.summary import merge_and_print
 from scd.checkpoint import layout
 from scd.config import Config
@@ -55,7 +56,7 @@ CRASH_KILLS = 8
 CRASH_TOKENS_PER_S = 50_000.0
 
 
-async def regime(tmp: Path, tiny: Any, name: str, tokens_per_s: float) -> dict[str, float]:
+async def regime(tmp: Path, name: str, tokens_per_s: float) -> dict[str, float]:
     config: Config = tiny(
         tmp / f"goodput-{name}", partition=f"bench-goodput-{name}", model={"max_len": 128},
         generation={"backend": "synthetic", "max_inflight_prompts": 32,
@@ -95,11 +96,11 @@ async def regime(tmp: Path, tiny: Any, name: str, tokens_per_s: float) -> dict[s
     }
 
 
-async def regimes(tmp: Path, tiny: Any) -> dict[str, float]:
-    out = await regime(tmp, tiny, "train_bound", TRAIN_BOUND_TOKENS_PER_S)
+async def regimes(tmp: Path) -> dict[str, float]:
+    out = await regime(tmp, "train_bound", TRAIN_BOUND_TOKENS_PER_S)
     tokens_per_group = 8 * COMPLETION_TOKENS  # configs/tiny.toml's group_size
     trainer_tokens_per_s = out["goodput_train_bound_trainer_groups_per_s"] * tokens_per_group
-    return out | await regime(tmp, tiny, "generation_bound", GENERATION_BOUND_SHARE * trainer_tokens_per_s)
+    return out | await regime(tmp, "generation_bound", GENERATION_BOUND_SHARE * trainer_tokens_per_s)
 
 
 CRASH_CONFIG = """
@@ -203,8 +204,6 @@ async def main() -> None:
     import ray
     import transfer_queue as tq
 
-    from bench.run import tiny
-
     ray.init(address="local", num_cpus=3, include_dashboard=False, log_to_driver=False, _node_ip_address="127.0.0.2",
              logging_level=logging.WARNING)
     tq.init({"backend": {"SimpleStorage": {"num_data_storage_units": 1}}})
@@ -212,7 +211,7 @@ async def main() -> None:
     try:
         with TemporaryDirectory(dir=REPO / "bench") as tmp_name:
             tmp = Path(tmp_name)
-            for name, bench in (("goodput_regimes", lambda t: regimes(t, tiny)), ("goodput_crash_loop", crash_loops)):
+            for name, bench in (("goodput_regimes", regimes), ("goodput_crash_loop", crash_loops)):
                 started = time.monotonic()
                 summary |= await bench(tmp)
                 print(f"[{name}: {time.monotonic() - started:.0f}s]", flush=True)

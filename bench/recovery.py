@@ -22,6 +22,8 @@ from typing import Any
 import anyio
 import orjson
 
+from bench.commits import fake_group
+from bench.configs import tiny
 from scd.checkpoint import layout
 from scd.daemon import Controller, Triggers
 from scd.dataplane import DataPlane
@@ -87,7 +89,7 @@ async def crash_once(config: Any) -> dict[str, float]:
             "finished_at_cut": finished_at_cut[-1]}
 
 
-async def crash_recovery(tmp: Path, tiny: Any) -> dict[str, float]:
+async def crash_recovery(tmp: Path) -> dict[str, float]:
     out: dict[str, float] = {}
     for sampler in SAMPLERS:
         config = tiny(
@@ -159,7 +161,7 @@ async def crash_with_prefixes_once(config: Any) -> dict[str, float]:
             "dropped": report.prefix_tokens_dropped}
 
 
-async def prefix_recovery(tmp: Path, tiny: Any) -> dict[str, float]:
+async def prefix_recovery(tmp: Path) -> dict[str, float]:
     """``crash_<sampler>_tokens_reused_vs_generated_at_cut`` with prefixes captured, and beside it
     (``..._no_prefixes``) with ``checkpointing.capture_prefixes = false``, today's baseline before them."""
     out: dict[str, float] = {}
@@ -189,8 +191,7 @@ async def prefix_recovery(tmp: Path, tiny: Any) -> dict[str, float]:
     return out
 
 
-async def staging_cost(tmp: Path, tiny: Any, fake_group: Any, groups: int = 400, rounds: int = 4,
-                       tokens: int = 109) -> dict[str, float]:
+async def staging_cost(tmp: Path, groups: int = 400, rounds: int = 4, tokens: int = 109) -> dict[str, float]:
     """Commit throughput without (A) and with (B) 7 of 8 siblings staged first; interleaved."""
     config = tiny(tmp / "staging", partition="bench-staging", task={"size": 1_000_000},
                   async_rl={"buffer_capacity_groups": groups + 64})

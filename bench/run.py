@@ -6,7 +6,6 @@ are taken within one run because absolute times drift on a shared 2-core box.
 
 from __future__ import annotations
 
-import functools
 import itertools
 import logging
 import os
@@ -25,21 +24,17 @@ import orjson
 import torch
 
 from bench import engines, goodput, trainer_group
-from bench.gpu_check import summarize_steps
+from bench.commits import checkpoint_now, clear, fake_group, fill
+from bench.configs import REPO, tiny
 from bench.recovery import crash_recovery, prefix_recovery, staging_cost
 from scd.checkpoint import layout
 from scd.checkpoint.save import capture_cut
-from scd.config import Config, derive_config
+from scd.config import Config
 from scd.daemon import Controller, Triggers
-from scd.dataplane import DataPlane
-from scd.generation.base import GroupResult
-from scd.records import Completion, FinishReason
-from scd.schema import Trigger
 from scd.tasks import build_task
 from scd.training.grpo import GRPOTrainer
 from scd.training.policy import build_policy
 
-REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results"
 GOALS = {
     "checkpoint_overhead_ratio": ("in", (0.98, 1.02)), "snapshot_bytes_ratio": ("<=", 1.1),
@@ -56,19 +51,9 @@ GOALS = {
 }
 
 
-def tiny(tmp: Path, partition: str = "bench", **overrides: dict[str, object]) -> Config:
-    base: dict[str, dict[str, object]] = {"run": {"output_dir": str(tmp)}, "telemetry": {"metrics_port": 0},
-                                          "data_plane": {"partition": partition}}
-    return derive_config(REPO / "configs" / "tiny.toml", base, overrides)
-
-
 def percentile(samples: list[float], q: float) -> float:
     ordered = sorted(samples)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-
-async def clear(partition: str) -> None:
-    await DataPlane(tiny(Path("/tmp"), partition).data_plane).clear_all()
 
 
 async def timed_run(config: Config, steps: int, probe: bool = False) -> dict[str, float]:
@@ -193,39 +178,6 @@ async def trackers_overhead(tmp: Path, steps: int = 150, pairs: int = 10) -> dic
         "trackers_loop_stall_p99_ms": statistics.median(r.loop_stall_p99_ms for r in ons),
         "trackers_off_loop_stall_p99_ms": statistics.median(r.loop_stall_p99_ms for r in offs),
     }
-
-
-@functools.cache
-def _completions(group_size: int, length: int) -> list[Completion]:
-    return [Completion(torch.randint(4, 50, (length,)).tolist(), torch.rand(length).tolist(), FinishReason.LENGTH, 0)
-            for _ in range(group_size)]
-
-
-def fake_group(request: Any, tokens: int) -> GroupResult:
-    """A group of ``tokens``-long rows (prompt included), as a backend would return it."""
-    completions = _completions(len(request.siblings), tokens - len(request.prompt_ids))
-    return GroupResult(request, completions, end_weight_version=0)
-
-
-async def fill(controller: Controller, groups: int, tokens: int) -> int:
-    """Commit ``groups`` groups through the controller's real commit path; returns payload bytes."""
-    payload = 0
-    for _ in range(groups):
-        result = fake_group(await controller.rollouts.admit(), tokens)
-        # int64 input_ids and float32 logprobs per row, as they land in TQ.
-        payload += sum(8 * (len(result.request.prompt_ids) + len(c.token_ids)) + 4 * len(c.token_ids)
-                       for c in result.completions)
-        await controller.rollouts.commit(result)
-    return payload
-
-
-async def checkpoint_now(controller: Controller) -> None:
-    """One checkpoint at the current step, written before this returns (the writer runs only for it)."""
-    assert controller.checkpointer is not None
-    async with anyio.create_task_group() as tg:
-        await tg.start(controller.checkpointer.run_writer)
-        await controller.checkpointer.attempt(Trigger.SIGNAL, wait=True)
-        tg.cancel_scope.cancel()
 
 
 def disk_write_bandwidth(directory: Path, size: int = 256 << 20) -> float:
@@ -471,34 +423,6 @@ async def commit_path(tmp: Path, groups: int = 20_000) -> dict[str, float]:
     return {"commit_path_groups_per_s": groups / committed, "consume_path_groups_per_s": groups / consumed}
 
 
-async def vllm_cpu(tmp: Path, steps: int = 60) -> dict[str, float]:
-    """configs/vllm-cpu.toml in this process (vLLM's engine cores are processes of their own): per-step
-    medians with its one engine, then with two (``generation.vllm.engines = 2``, a core each).
-
-    On 2 cores the second engine competes with the trainer and scd for the same cores, so the ratio
-    measures what a second engine costs more than what it could add.
-    """
-    from scd.training.init_tiny import init_tiny
-
-    model = init_tiny(tmp / "tiny-llama")
-    results: dict[str, float] = {}
-    for count, prefix in ((1, "vllm_cpu_"), (2, "vllm_cpu_engines2_")):
-        out, partition = tmp / f"vllm-{count}", f"bench-vllm-{count}"
-        config = derive_config(REPO / "configs" / "vllm-cpu.toml", {
-            "run": {"output_dir": str(out)}, "model": {"name": str(model)},
-            "telemetry": {"metrics_port": 0}, "data_plane": {"partition": partition}})
-        config.generation.vllm.engines = count
-        async with Controller.open(config) as controller:
-            await controller.run(max_steps=steps)
-        await clear(partition)
-        # The first steps include the engines' warm-up.
-        measured = summarize_steps(out / "events.jsonl", after_step=5)
-        results |= {f"{prefix}{key}": value for key, value in measured.items() if value is not None}
-    results["vllm_cpu_engines2_vs_1_generated_tokens_ratio"] = (
-        results["vllm_cpu_engines2_generated_tokens_per_s"] / results["vllm_cpu_generated_tokens_per_s"])
-    return results
-
-
 def cluster_figures() -> dict[str, float]:
     """bench/cluster.py in its own process: a driver joins one Ray cluster, and this one ran its own."""
     with TemporaryDirectory() as tmp:
@@ -526,12 +450,10 @@ async def main(only: frozenset[str] = frozenset()) -> None:
             for name, bench in (("commit_path", commit_path), ("overhead", overhead),
                                 ("exclusive_hold", exclusive_hold), ("live_checkpoints", live_checkpoints),
                                 ("snapshot", snapshot_and_restore),
-                                ("crash_recovery", functools.partial(crash_recovery, tiny=tiny)),
-                                ("prefix_recovery", functools.partial(prefix_recovery, tiny=tiny)),
-                                ("staging_cost", functools.partial(staging_cost, tiny=tiny, fake_group=fake_group)),
-                                ("goodput_regimes", functools.partial(goodput.regimes, tiny=tiny)),
+                                ("crash_recovery", crash_recovery), ("prefix_recovery", prefix_recovery),
+                                ("staging_cost", staging_cost), ("goodput_regimes", goodput.regimes),
                                 ("goodput_crash_loop", goodput.crash_loops),
-                                ("vllm_cpu", vllm_cpu), ("weight_sync", engines.weight_sync),
+                                ("vllm_cpu", engines.vllm_cpu), ("weight_sync", engines.weight_sync),
                                 ("trackers_overhead", trackers_overhead), ("trainer_group", trainer_group.figures)):
                 known.add(name)
                 if only and name not in only:
