@@ -36,17 +36,10 @@ from scd.replay import GroupMeta
 from scd.schema import Outcome, Trigger
 from scd.telemetry.http import open_listener, serve_http
 from tests.conftest import ScdProcess, free_port, tree_digest, write_config
-from tests.test_checkpoint import reseal
-from tests.test_data_safety import (
-    WAIT_S,
-    a_rollout,
-    checkpoint_now,
-    clear_partition,
-    config_for,
-    dataplane_for,
-    generated,
-    metric,
-)
+from tests.support.bundles import reseal
+from tests.support.configs import config_for
+from tests.support.tq import clear_partition, dataplane_for
+from tests.test_data_safety import WAIT_S, a_rollout, checkpoint_now, generated, metric
 
 
 def events_of(controller: Controller) -> list[dict[str, Any]]:

@@ -25,14 +25,14 @@ from scd.checkpoint import layout
 from scd.checkpoint.checkpointer import CheckpointFailed
 from scd.checkpoint.restore import keep_history_linear, resolve_bundle
 from scd.checkpoint.verify import BundleError, verify_bundle
-from scd.config import DataPlaneConfig
 from scd.daemon import Controller, Triggers
-from scd.dataplane import DataPlane
 from scd.errors import ConfigError, InvariantViolation
 from scd.ledger import PromptState
 from scd.replay import GroupMeta, ReplayIndex
 from scd.schema import Outcome, Trigger
 from tests.conftest import REPO, SCD, tiny_config, toml_text, tree_digest
+from tests.support.bundles import copy_bundles, edit_json, reseal
+from tests.support.tq import clear_partition
 
 PARTITION = "ckpt-golden"
 CHECKPOINTING = {"enabled": True, "interval_s": 3600, "keep_last": 3}
@@ -46,10 +46,6 @@ def config_for(root: Path, **sections: dict[str, object]) -> Any:
     return tiny_config(root.parent, PARTITION, **sections)
 
 
-async def clear_partition(partition: str = PARTITION) -> None:
-    await DataPlane(DataPlaneConfig(partition=partition)).clear_all()
-
-
 async def read_rows(controller: Controller, keys: list[str]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """Every row of the groups ``keys``, by sibling id."""
     groups = await controller.dataplane.get_groups(keys)
@@ -60,7 +56,7 @@ async def read_rows(controller: Controller, keys: list[str]) -> dict[str, tuple[
 async def golden(tq_session: None, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """Two finalized bundles (steps 3 and 6) from a real run, and the TQ rows at the last one."""
     root = tmp_path_factory.mktemp("golden") / "checkpoints"
-    await clear_partition()
+    await clear_partition(PARTITION)
     config = config_for(root, async_rl={"buffer_capacity_groups": 32})
     async with Controller.open(config) as controller:
         await controller.run(max_steps=3)
@@ -68,36 +64,13 @@ async def golden(tq_session: None, tmp_path_factory: pytest.TempPathFactory) -> 
         bundles = layout.finalized_bundles(root)
         sidecar = orjson.loads((bundles[-1] / layout.SIDECAR_FILE).read_bytes())
         rows = await read_rows(controller, sorted(g["group_id"] for g in sidecar["groups"]))
-    await clear_partition()
+    await clear_partition(PARTITION)
     assert [layout.step_of(b) for b in bundles] == [3, 6]
     return {"root": root, "rows": rows, "groups": len(sidecar["groups"])}
 
 
-def copy_bundles(golden: dict[str, Any], tmp_path: Path) -> Path:
-    root = tmp_path / "checkpoints"
-    shutil.copytree(golden["root"], root)
-    return root
-
-
 def newest(root: Path) -> Path:
     return layout.finalized_bundles(root)[-1]
-
-
-def reseal(bundle: Path) -> None:
-    """Re-sign a bundle after an edit, as a consistent-but-wrong bundle would be."""
-    info = orjson.loads((bundle / layout.TRAINING_INFO_FILE).read_bytes())
-    info["files"] = layout.bundle_files(bundle)
-    (bundle / layout.TRAINING_INFO_FILE).write_bytes(orjson.dumps(info))
-    (bundle / layout.COMMIT_MARKER).write_text(layout.sha256_file(bundle / layout.TRAINING_INFO_FILE))
-
-
-def edit_json(bundle: Path, name: str, change: Callable[[dict[str, Any]], None], seal: bool = True) -> None:
-    path = bundle / name
-    data = orjson.loads(path.read_bytes())
-    change(data)
-    path.write_bytes(orjson.dumps(data))
-    if seal:
-        reseal(bundle)
 
 
 def set_digest(sidecar: dict[str, Any], bundle: Path) -> None:
@@ -123,7 +96,7 @@ async def test_restore_gives_back_every_row_tensor_for_tensor(golden: dict[str, 
     root = copy_bundles(golden, tmp_path)
     # A window wide enough that no restored group is evicted as stale, so all of them can be compared.
     config = config_for(root, async_rl={"sampler": {"name": "windowed", "max_staleness_versions": 100}})
-    await clear_partition()
+    await clear_partition(PARTITION)
     async with Controller.open(config) as controller:
         await controller.restore(allow_config_change=True)
         assert controller.state.trainer_step == 6
@@ -403,7 +376,7 @@ async def test_a_sampler_without_replay_support_restores_in_shadow_mode(tmp_path
     root = tmp_path / "checkpoints"
     sampler = {"sampler": {"name": "tests.test_samplers:ShadowInOrder", "max_staleness_versions": 1}}
     config = config_for(root, async_rl=sampler)
-    await clear_partition()
+    await clear_partition(PARTITION)
     async with Controller.open(config) as controller:
         await controller.run(max_steps=3)
     sidecar = orjson.loads((newest(root) / layout.SIDECAR_FILE).read_bytes())
@@ -423,7 +396,7 @@ async def test_a_sampler_without_replay_support_restores_in_shadow_mode(tmp_path
 async def test_gated_samplers_restore_exactly_where_they_stopped(tmp_path: Path, tq_session: None, name: str) -> None:
     root = tmp_path / "checkpoints"
     sampler = {"sampler": {"name": name, "max_staleness_versions": 1}}
-    await clear_partition()
+    await clear_partition(PARTITION)
     async with Controller.open(config_for(root, async_rl=sampler)) as controller:
         await controller.run(max_steps=3)
     bundle = newest(root)
@@ -431,7 +404,7 @@ async def test_gated_samplers_restore_exactly_where_they_stopped(tmp_path: Path,
     assert orjson.loads((bundle / layout.TRAINING_INFO_FILE).read_bytes())["supports_replay_checkpoint"] is True
     entries = {e[0]: e for e in sidecar["ledger"]["entries"]}
 
-    await clear_partition()
+    await clear_partition(PARTITION)
     async with Controller.open(config_for(root, async_rl=sampler)) as controller:
         await controller.restore()
         state = controller.state
@@ -450,7 +423,7 @@ async def test_gated_samplers_restore_exactly_where_they_stopped(tmp_path: Path,
     assert [e["step"] for e in trained] == [1, 2, 3, 4, 5, 6]
     consumed = [tuple(p) for e in trained for p in e["prompt_ids"]]
     assert len(consumed) == len(set(consumed)), "a prompt was trained twice"
-    await clear_partition()
+    await clear_partition(PARTITION)
 
 
 async def test_io_failures_are_retried_then_stop_the_daemon_leaving_bundles_intact(
@@ -464,7 +437,7 @@ async def test_io_failures_are_retried_then_stop_the_daemon_leaving_bundles_inta
 
     monkeypatch.setattr(layout, "fsync_tree", disk_full)
     config = config_for(root, checkpointing={"max_consecutive_failures": 2, "interval_s": 0.2})
-    await clear_partition()
+    await clear_partition(PARTITION)
     with pytest.raises(BaseExceptionGroup) as info:
         async with Controller.open(config) as controller:
             await controller.restore()
@@ -512,7 +485,7 @@ def test_scd_checkpoint_inspect_and_list(golden: dict[str, Any]) -> None:
 async def test_checkpoint_requests_coalesce_and_land_at_step_boundaries(tmp_path: Path, tq_session: None) -> None:
     root = tmp_path / "checkpoints"
     config = config_for(root)
-    await clear_partition()
+    await clear_partition(PARTITION)
     triggers = Triggers()
     async with Controller.open(config) as controller:
 
@@ -545,7 +518,7 @@ async def test_an_attempt_without_progress_is_skipped_with_its_reason(golden: di
     before = tree_digest(root)
     labels = {"outcome": "skipped", "reason": "no_progress"}
     count_before = REGISTRY.get_sample_value("scd_checkpoint_attempts_total", labels) or 0.0
-    await clear_partition()
+    await clear_partition(PARTITION)
     async with Controller.open(config_for(root)) as controller:
         await controller.restore()
         assert controller.checkpointer is not None
@@ -565,7 +538,7 @@ async def test_unwritable_checkpoint_dir_fails_with_io_error_and_stops(tmp_path:
     blocker = tmp_path / "not-a-directory"
     blocker.write_text("a file where the checkpoint directory should be")
     config = config_for(blocker, checkpointing={"max_consecutive_failures": 2, "interval_s": 0.2})
-    await clear_partition()
+    await clear_partition(PARTITION)
     labels = {"outcome": "failed", "reason": "io_error"}
     count_before = REGISTRY.get_sample_value("scd_checkpoint_attempts_total", labels) or 0.0
     with pytest.raises(BaseExceptionGroup) as info:
@@ -592,7 +565,7 @@ async def test_a_jsonl_task_edited_in_place_is_refused(tmp_path: Path, tq_sessio
     task.write_bytes(b"\n".join(rows))
     root = tmp_path / "checkpoints"
     jsonl = {"name": "jsonl", "path": str(task)}
-    await clear_partition()
+    await clear_partition(PARTITION)
     async with Controller.open(config_for(root, task=jsonl)) as controller:
         await controller.run(max_steps=3)
     before = tree_digest(root)

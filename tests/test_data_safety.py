@@ -25,7 +25,6 @@ from prometheus_client import REGISTRY
 
 from scd.checkpoint import layout
 from scd.checkpoint.verify import verify_bundle
-from scd.config import DataPlaneConfig
 from scd.daemon import Controller, Triggers
 from scd.dataplane import DataPlane
 from scd.errors import ConfigError, DataPlaneError, InvariantViolation
@@ -33,27 +32,13 @@ from scd.generation.base import GroupRequest, GroupResult
 from scd.ledger import PromptState
 from scd.records import Completion, FinishReason, Rollout
 from scd.schema import Outcome, Trigger
-from tests.conftest import tiny_config, tree_digest
+from tests.conftest import tree_digest
+from tests.support.bundles import copy_bundles, reseal
+from tests.support.configs import CHECKPOINTING, config_for
+from tests.support.tq import clear_partition, dataplane_for
 
 GOLDEN = "safety-golden"
-CHECKPOINTING = {"enabled": True, "interval_s": 3600, "keep_last": 2, "max_consecutive_failures": 5}
 WAIT_S = 30  # bound on anything a test waits for; a hang fails the test instead of the session
-
-
-def config_for(root: Path, partition: str, **sections: dict[str, Any]) -> Any:
-    sections["checkpointing"] = {**CHECKPOINTING, "dir": str(root), **sections.get("checkpointing", {})}
-    sections["trainer"] = {"groups_per_step": 4, **sections.get("trainer", {})}
-    sections["task"] = {"size": 64, **sections.get("task", {})}
-    sections["async_rl"] = {"buffer_capacity_groups": 16, **sections.get("async_rl", {})}
-    return tiny_config(root.parent, partition, **sections)
-
-
-def dataplane_for(partition: str) -> DataPlane:
-    return DataPlane(DataPlaneConfig(partition=partition))
-
-
-async def clear_partition(partition: str) -> None:
-    await dataplane_for(partition).clear_all()
 
 
 def a_rollout(i: int = 0) -> Rollout:
@@ -103,20 +88,6 @@ def metric(name: str, **labels: str) -> float:
 
 def model_weights(controller: Controller) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in controller.trainer.model.state_dict().items()}
-
-
-def copy_bundles(golden: dict[str, Any], tmp_path: Path) -> Path:
-    root = tmp_path / "checkpoints"
-    shutil.copytree(golden["root"], root)
-    return root
-
-
-def reseal(bundle: Path) -> None:
-    """Re-sign a bundle after an edit, as a consistent-but-wrong bundle would be."""
-    info = orjson.loads((bundle / layout.TRAINING_INFO_FILE).read_bytes())
-    info["files"] = layout.bundle_files(bundle)
-    (bundle / layout.TRAINING_INFO_FILE).write_bytes(orjson.dumps(info))
-    (bundle / layout.COMMIT_MARKER).write_text(layout.sha256_file(bundle / layout.TRAINING_INFO_FILE))
 
 
 # ---- the module's one real run ---------------------------------------------------------------------------

@@ -16,7 +16,9 @@ from scd.checkpoint.verify import verify_bundle
 from scd.daemon import Controller
 from scd.ledger import staged_key
 from scd.schema import Outcome
-from tests.test_data_safety import WAIT_S, checkpoint_now, clear_partition, config_for, generated, metric
+from tests.support.configs import config_for
+from tests.support.tq import clear_partition
+from tests.test_data_safety import WAIT_S, checkpoint_now, generated, metric
 
 FAILING_CLEAR = "during_deferred_clear=enospc"
 

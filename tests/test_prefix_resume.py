@@ -18,7 +18,7 @@ from scd.dataplane import DataPlane
 from scd.generation.base import GenerationBackend, GroupRequest
 from scd.records import Completion
 from tests.conftest import tiny_config
-from tests.test_checkpoint import edit_json
+from tests.support.bundles import edit_json
 
 # Long completions at a rate where a batch takes seconds: most sequences are part-way at any cut.
 SYNTHETIC = {"backend": "synthetic", "max_inflight_prompts": 16, "max_new_tokens": 100,

@@ -19,11 +19,10 @@ import pytest_asyncio
 
 from scd.checkpoint import layout
 from scd.checkpoint.verify import BundleError, verify_bundle
-from scd.config import DataPlaneConfig
 from scd.daemon import Controller
-from scd.dataplane import DataPlane
 from tests.conftest import tiny_config
-from tests.test_checkpoint import edit_json
+from tests.support.bundles import edit_json
+from tests.support.tq import clear_partition
 
 PARTITION = "sampler-restore"
 FIRST_STEPS = 3
@@ -37,21 +36,17 @@ def config_for(root: Path, sampler: str, groups_per_step: int) -> Any:
                        checkpointing={"enabled": True, "dir": str(root), "interval_s": 3600, "keep_last": 3})
 
 
-async def clear_partition() -> None:
-    await DataPlane(DataPlaneConfig(partition=PARTITION)).clear_all()
-
-
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
 async def bundles(tq_session: None, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """Per gated sampler, the checkpoint root of a run of FIRST_STEPS steps at groups_per_step 2."""
     roots: dict[str, Path] = {}
     for sampler in ("in_order", "weight_fifo"):
         root = tmp_path_factory.mktemp(sampler) / "checkpoints"
-        await clear_partition()
+        await clear_partition(PARTITION)
         async with Controller.open(config_for(root, sampler, 2)) as controller:
             with anyio.fail_after(RUN_S):
                 await controller.run(max_steps=FIRST_STEPS)
-        await clear_partition()
+        await clear_partition(PARTITION)
         bundle = layout.finalized_bundles(root)[-1]
         in_flight_or_ready = [e for e in verify_bundle(bundle).ledger.entries().values()
                               if e.state in ("in_flight", "ready")]
@@ -83,7 +78,7 @@ async def test_a_gated_sampler_restarted_with_another_groups_per_step_is_refused
 ) -> None:
     root = copy_root(bundles, sampler, tmp_path)
     config = config_for(root, sampler, groups_per_step)
-    await clear_partition()
+    await clear_partition(PARTITION)
     async with Controller.open(config) as controller:
         with pytest.raises(BundleError) as refused:
             await controller.restore()
@@ -103,13 +98,13 @@ async def test_a_gated_sampler_restarted_with_another_groups_per_step_is_refused
 
     # The re-derived state, and the dispatches made from it, checkpoint as a consistent bundle: it
     # restores under the new setting with no override and trains on.
-    await clear_partition()
+    await clear_partition(PARTITION)
     async with Controller.open(config) as controller:
         await controller.restore()
         with anyio.fail_after(RUN_S):
             await controller.run(max_steps=FIRST_STEPS + more_steps + 1)
         assert controller.state.trainer_step == FIRST_STEPS + more_steps + 1
-    await clear_partition()
+    await clear_partition(PARTITION)
 
 
 def _without(field: str) -> Any:
@@ -141,7 +136,7 @@ async def test_a_restored_sampler_document_that_disagrees_with_the_ledger_is_ref
     root = copy_root(bundles, sampler, tmp_path)
     bundle = layout.finalized_bundles(root)[-1]
     edit_json(bundle, layout.SIDECAR_FILE, lambda sidecar: change(sidecar["sampler"]["state"]))
-    await clear_partition()
+    await clear_partition(PARTITION)
     async with Controller.open(config_for(root, sampler, 2)) as controller:
         with pytest.raises(BundleError) as refused:
             await controller.restore()
@@ -157,7 +152,7 @@ async def test_a_gated_sampler_restarted_unchanged_resumes_its_state_as_saved(
     """The control: what a real run saves passes its sampler's check and is loaded as it is."""
     root = copy_root(bundles, sampler, tmp_path)
     saved = verify_bundle(layout.finalized_bundles(root)[-1])
-    await clear_partition()
+    await clear_partition(PARTITION)
     async with Controller.open(config_for(root, sampler, 2)) as controller:
         await controller.restore()
         assert controller.state.sampler.state() == saved.sidecar.sampler.state
@@ -166,4 +161,4 @@ async def test_a_gated_sampler_restarted_unchanged_resumes_its_state_as_saved(
         with anyio.fail_after(RUN_S):
             await controller.run(max_steps=FIRST_STEPS + 2)
         assert controller.state.trainer_step == FIRST_STEPS + 2
-    await clear_partition()
+    await clear_partition(PARTITION)

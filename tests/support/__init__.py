@@ -1,0 +1,1 @@
+"""Plain helpers the test modules share (pytest's fixtures stay in tests/conftest.py)."""
