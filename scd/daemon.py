@@ -98,7 +98,7 @@ class Controller:
         self.goodput = GoodputMeter(config, self.rollouts, backend)
         self.events = EventLog.with_trackers(config.telemetry, Path(config.run.output_dir), lambda: self.state.run)
         self.checkpointer = (Checkpointer(config, self.events, self.state, dataplane, self.trainer, self.goodput.risk,
-                                          lambda cut: self.rollouts.partials_at_cut(cut, backend.partial_siblings()))
+                                          self.rollouts, backend)
                              if config.checkpointing.enabled else None)
         self.metrics_port: int | None = None
         self.ready = False

@@ -53,13 +53,11 @@ class Prefix:
 
 @dataclass(frozen=True, slots=True)
 class PartialSibling:
-    """A sibling of an in-flight group, part-way (``finish_reason`` None) or finished and not yet
-    staged, as a backend or the rollouts hold it at a cut."""
+    """A part-way sibling of an in-flight group, as a backend reports it."""
 
     group_id: str
     index: int
     prefix: Prefix
-    finish_reason: FinishReason | None = None
 
 
 @dataclass(slots=True)

@@ -3,7 +3,7 @@
 ``scd_work_at_risk_tokens``: generated tokens (not already thrown away) that the newest finalized
 bundle would not give back: those generated since its cut, plus those in flight at the cut that
 it did not hold.  A cut holds its committed groups' tokens, its staged siblings', and its
-prefixes': finished siblings still queued for staging, and part-way ones where the backend
+rollouts' part's: finished siblings still queued for staging, and part-way ones where the backend
 resumes them (``GenerationBackend.resumable``).  ``scd_work_at_risk_seconds``: the age of
 that cut (before the first bundle: of this process's start, or of the bundle it restored).
 
@@ -15,12 +15,10 @@ generated here, so right after a restore the figure can read low by them; it is 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 from scd.generation.base import GenerationBackend
-from scd.records import PartialSibling
-from scd.rollouts import Rollouts
+from scd.rollouts import Rollouts, RolloutsCut
 from scd.telemetry import metrics
 
 
@@ -45,13 +43,12 @@ class WorkAtRisk:
         generated = self._backend.generated_tokens() - self._generated_at_start
         return generated - (self._rollouts.statistics().wasted_tokens - self._wasted_at_start)
 
-    def mark_cut(self, partials: Sequence[PartialSibling]) -> CutMark:
-        """Called at a cut, with the prefixes it captured: what it holds of the work so far."""
+    def mark_cut(self, rollouts: RolloutsCut) -> CutMark:
+        """Called at a cut, with the rollouts' part it captured: what it holds of the work so far."""
         stats = self._rollouts.statistics()
         useful = self._useful()
-        prefixes = sum(len(p.prefix.token_ids) for p in partials
-                       if p.finish_reason is not None or self._backend.resumable)
-        held = stats.committed_tokens - self._committed_at_start + stats.staged_tokens + prefixes
+        unstaged = rollouts.finished_tokens() + (rollouts.prefix_tokens() if self._backend.resumable else 0)
+        held = stats.committed_tokens - self._committed_at_start + stats.staged_tokens + unstaged
         return CutMark(time.time(), useful, max(0, useful - held))
 
     def finalized(self, mark: CutMark) -> None:

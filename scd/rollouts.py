@@ -22,9 +22,14 @@ Admission is paced here too (``has_capacity``), and what generation made and
 threw away (a group dropped stale, a finished sibling dropped out of the window,
 an aborted sibling's partial output) is counted here, where it is dropped.
 
+A checkpoint's cut holds the rollouts' part as a ``RolloutsCut`` (``capture``):
+the finished siblings it does not stage and the part-way ones.  A restore hands
+it back with the staged siblings read from TQ (``restore``), which applies the
+staleness window to all of them, once.
+
 Like vLLM's ``ParentRequest``, which keeps a request's children together, this
 module never reaches up: the pumps that wait on it are woken through the
-``on_change`` callback the daemon hands in.
+``on_change`` callback its owner hands in, and a checkpoint hands it records.
 """
 
 from __future__ import annotations
@@ -34,7 +39,7 @@ import logging
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import anyio
 import torch
@@ -90,11 +95,39 @@ class WasteReason(enum.StrEnum):
 
 
 @dataclass(frozen=True, slots=True)
+class RolloutsCut:
+    """The rollouts' part of a checkpoint cut: the siblings of its in-flight groups that it does not stage
+    (those the ledger names, and TQ holds), by group id and sibling index."""
+
+    finished: dict[str, dict[int, Completion]] = field(default_factory=dict)  # queued for staging, or staged since
+    prefixes: dict[str, dict[int, Prefix]] = field(default_factory=dict)  # part-way
+
+    def finished_tokens(self) -> int:
+        return sum(len(c.token_ids) for siblings in self.finished.values() for c in siblings.values())
+
+    def prefix_tokens(self) -> int:
+        return sum(len(p.token_ids) for prefixes in self.prefixes.values() for p in prefixes.values())
+
+
+@dataclass(frozen=True, slots=True)
+class RolloutsRestored:
+    """What ``Rollouts.restore`` kept of a restored cut, and what it threw away."""
+
+    siblings_reused: int  # staged siblings within the staleness window
+    siblings_rerun: int  # staged siblings out of it: unstaged, to be generated again
+    stale_tokens: int  # the tokens of those
+    # The cut's own siblings: tokens taken up (resumed, or finished) and thrown away (out of the window,
+    # too long, or a backend that cannot resume); siblings resumed.
+    prefix_tokens_reused: int
+    prefix_tokens_dropped: int
+    siblings_resumed: int
+
+
+@dataclass(frozen=True, slots=True)
 class RolloutsStatistics:
     awaiting_commit: int  # complete groups queued for the committer (still in flight in the ledger)
     committed_tokens: int  # completion tokens of committed groups
     wasted_tokens: int  # generated tokens thrown away, for any WasteReason
-    groups_with_finished_siblings: int
     finished_siblings: int  # held in memory for groups still in flight, staged or not
     staged_tokens: int  # completion tokens of the finished siblings staged in TQ (what a cut keeps of them)
     finished_tokens: int  # completion tokens of every finished sibling held, staged or not
@@ -152,7 +185,6 @@ class Rollouts:
         return RolloutsStatistics(
             awaiting_commit=len(self._awaiting), committed_tokens=self._committed_tokens,
             wasted_tokens=self._wasted_tokens,
-            groups_with_finished_siblings=len(self._finished),
             finished_siblings=sum(len(siblings) for siblings in self._finished.values()),
             staged_tokens=self._staged_tokens(),
             finished_tokens=sum(len(c.token_ids) for siblings in self._finished.values() for c in siblings.values()),
@@ -217,7 +249,7 @@ class Rollouts:
             if request.siblings:
                 self._requeued.append(request)
             else:
-                # Every sibling came back finished (staged, or in the bundle's prefixes): it only
+                # Every sibling came back finished (staged, or finished in the cut): it only
                 # awaits its commit, as it did at the cut.
                 done = self._finished[group_id].values()
                 self.gather(GroupResult(request, [], end_weight_version=max(c.weight_version for c in done)))
@@ -230,40 +262,75 @@ class Rollouts:
         requeued, self._requeued = self._requeued or [], None
         return requeued
 
-    def keep_restored(self, siblings: Mapping[str, Mapping[int, Completion]]) -> None:
-        """A restore's finished siblings (staged, or in its prefixes): their groups' next requests skip them."""
-        for group_id, by_index in siblings.items():
-            self._finished.setdefault(group_id, {}).update(by_index)
+    # ---- a checkpoint's part ----------------------------------------------------------------------
 
-    def keep_prefixes(self, prefixes: Mapping[str, Mapping[int, Prefix]]) -> None:
-        """A restore's part-way siblings: their groups' next requests resume them from these."""
-        for group_id, by_index in prefixes.items():
-            self._prefixes.setdefault(group_id, {}).update(by_index)
-
-    def partials_at_cut(self, ledger: PromptLedger, in_backend: Sequence[PartialSibling]) -> list[PartialSibling]:
+    def capture(self, ledger: PromptLedger, running: Sequence[PartialSibling]) -> RolloutsCut:
         """The siblings of ``ledger``'s in-flight groups (a cut's) that it does not stage: finished ones
-        still queued for staging (or staged since), and part-way ones: the backend's, else a restored
-        prefix not resumed yet.  Taken after the cut: a prefix is valid whenever taken (tokens only grow)."""
-        partials: list[PartialSibling] = []
-        running = {(p.group_id, p.index): p for p in in_backend}
+        still queued for staging (or staged since), and part-way ones: ``running`` (the backend's), else a
+        restored prefix not resumed yet.  Taken after the cut: a prefix is valid whenever taken (tokens only
+        grow)."""
+        unstaged_by_group: dict[str, dict[int, Completion]] = {}
+        prefixes_by_group: dict[str, dict[int, Prefix]] = {}
+        in_backend = {(p.group_id, p.index): p.prefix for p in running}
         for group_id in ledger.in_state(PromptState.IN_FLIGHT):
             staged = {index for index, _ in ledger.entry(group_id).staged}
             finished = self._finished.get(group_id, {})
-            for index, completion in finished.items():
-                if index not in staged:
-                    prefix = Prefix(tuple(completion.token_ids), tuple(completion.logprobs),
-                                    ((0, completion.weight_version),))
-                    partials.append(PartialSibling(group_id, index, prefix, completion.finish_reason))
+            unstaged = {index: Completion(list(c.token_ids), list(c.logprobs), c.finish_reason, c.weight_version)
+                        for index, c in finished.items() if index not in staged}
             restored = self._prefixes.get(group_id, {})
+            part_way: dict[int, Prefix] = {}
             for index in range(self._group_size):
                 if index in staged or index in finished:
                     continue
-                part = running.get((group_id, index))
-                if part is None and index in restored:
-                    part = PartialSibling(group_id, index, restored[index])
-                if part is not None and part.prefix.token_ids:
-                    partials.append(part)
-        return partials
+                prefix = in_backend.get((group_id, index), restored.get(index))
+                if prefix is not None and prefix.token_ids:
+                    part_way[index] = prefix
+            if unstaged:
+                unstaged_by_group[group_id] = unstaged
+            if part_way:
+                prefixes_by_group[group_id] = part_way
+        return RolloutsCut(unstaged_by_group, prefixes_by_group)
+
+    async def restore(self, cut: RolloutsCut, staged: Mapping[str, Mapping[int, Completion]], *,
+                      resumable: bool, shadow: bool) -> RolloutsRestored:
+        """A restored cut's siblings (``staged``: those it staged, read back from TQ) taken up: their groups'
+        next requests skip the finished ones and resume the part-way ones.
+
+        One rule: a sibling whose oldest token is out of the staleness window is dropped and generated
+        again (a staged one unstaged first), as is a part-way one when the backend cannot resume (not
+        ``resumable``) or its prompt's budget has no room left, and every one in a ``shadow`` restore
+        (its siblings are all generated again).
+        """
+        window_start = math.inf if shadow else self._state.window_start()
+        reused = rerun = stale_tokens = 0
+        for group_id, by_index in staged.items():
+            stale = tuple((i, c.weight_version) for i, c in sorted(by_index.items()) if c.weight_version < window_start)
+            if stale:
+                await self._state.unstage_siblings(group_id, stale)
+                rerun += len(stale)
+                stale_tokens += sum(len(by_index[i].token_ids) for i, _ in stale)
+            kept = {i: c for i, c in by_index.items() if c.weight_version >= window_start}
+            if kept:
+                reused += len(kept)
+                self._finished.setdefault(group_id, {}).update(kept)
+        reused_tokens = dropped_tokens = resumed = 0
+        for group_id, completions in cut.finished.items():
+            for index, completion in completions.items():
+                if completion.weight_version >= window_start:
+                    self._finished.setdefault(group_id, {})[index] = completion
+                    reused_tokens += len(completion.token_ids)
+                else:
+                    dropped_tokens += len(completion.token_ids)
+        for group_id, prefixes in cut.prefixes.items():
+            room = self.max_tokens_of(group_id)
+            for index, prefix in prefixes.items():
+                if prefix.oldest_version >= window_start and resumable and len(prefix.token_ids) < room:
+                    self._prefixes.setdefault(group_id, {})[index] = prefix
+                    reused_tokens += len(prefix.token_ids)
+                    resumed += 1
+                else:
+                    dropped_tokens += len(prefix.token_ids)
+        return RolloutsRestored(reused, rerun, stale_tokens, reused_tokens, dropped_tokens, resumed)
 
     # ---- what generation reports -------------------------------------------------------------
 

@@ -13,17 +13,19 @@ import enum
 import time
 import uuid
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import msgspec
 
 from scd.replay import GroupMeta
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 # Schema 3: a TQ key per group (a value of bytes), BLAKE3 file digests, ``Sidecar.uncut_keys``.
 # Schema 4: ledger entries list their staged siblings (TQ's staging partition); a schema 3 bundle
 # reads as one with none staged.
-READABLE_SCHEMAS = frozenset({3, SCHEMA_VERSION})
+# Schema 5: the finished siblings a cut did not stage are ``Sidecar.finished_siblings``, no longer
+# prefixes with a finish reason; an older sidecar's are split out as it is read.
+READABLE_SCHEMAS = frozenset({3, 4, SCHEMA_VERSION})
 
 
 class CheckpointPhase(enum.StrEnum):
@@ -166,15 +168,25 @@ class SamplerDocument(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
 
 class PrefixRecord(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
-    """A sibling of an in-flight group at the cut: part-way (``finish_reason`` "") or finished and
-    not yet staged.  ``version_runs``: (first token index, weight version) per run, ascending."""
+    """A part-way sibling of an in-flight group at the cut.  ``version_runs``: (first token index,
+    weight version) per run, ascending."""
 
     group_id: str
     index: int
     token_ids: list[int]
     logprobs: list[float]
     version_runs: list[tuple[int, int]]
-    finish_reason: str = ""
+
+
+class FinishedSiblingRecord(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
+    """A finished sibling of an in-flight group the cut did not stage (still queued for staging)."""
+
+    group_id: str
+    index: int
+    token_ids: list[int]
+    logprobs: list[float]
+    weight_version: int  # its oldest token's
+    finish_reason: str
 
 
 class Sidecar(_Document):
@@ -191,9 +203,43 @@ class Sidecar(_Document):
     # Prompts per bucket and fate (``scd.skew``), continued by a restore.  Bundles written before
     # they were counted have none: the counts start at zero.
     prompt_fates: dict[str, dict[str, int]] = {}
-    # Siblings of in-flight groups the cut did not stage: resumed from their prefix by a restore.
-    # Bundles written before prefixes were captured have none.
+    # Part-way siblings of in-flight groups: resumed from their prefix by a restore.  Bundles written
+    # before prefixes were captured have none.
     prefixes: list[PrefixRecord] = []
+    # Finished siblings of in-flight groups the cut did not stage: a restore keeps them as finished.
+    finished_siblings: list[FinishedSiblingRecord] = []
+
+
+class _Schema4PrefixRecord(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
+    """A schema 4 prefix: part-way (``finish_reason`` "") or a finished sibling the cut did not stage."""
+
+    group_id: str
+    index: int
+    token_ids: list[int]
+    logprobs: list[float]
+    version_runs: list[tuple[int, int]]
+    finish_reason: str = ""
+
+
+class _Schema4Sidecar(Sidecar, kw_only=True):
+    prefixes: list[_Schema4PrefixRecord] = []  # type: ignore[assignment]
+
+
+def _sidecar_from_schema_4(old: _Schema4Sidecar, name: str) -> Sidecar:
+    """A schema 3 or 4 sidecar as schema 5: its finished prefixes become finished siblings, each as old
+    as its one version run (the only way a schema 4 cut wrote a finished sibling)."""
+    prefixes, finished = [], []
+    for p in old.prefixes:
+        if not p.finish_reason:
+            prefixes.append(PrefixRecord(p.group_id, p.index, p.token_ids, p.logprobs, p.version_runs))
+        elif len(p.version_runs) == 1 and p.version_runs[0][0] == 0:
+            finished.append(FinishedSiblingRecord(p.group_id, p.index, p.token_ids, p.logprobs,
+                                                  p.version_runs[0][1], p.finish_reason))
+        else:
+            raise SchemaError(f"{name} is malformed: the finished prefix of sibling {p.index} of group "
+                              f"{p.group_id} has version runs {p.version_runs}, not one from its first token")
+    fields = {f: getattr(old, f) for f in Sidecar.__struct_fields__ if f not in ("prefixes", "finished_siblings")}
+    return Sidecar(**fields, prefixes=prefixes, finished_siblings=finished)
 
 
 class DataloaderDocument(_Document):
@@ -233,6 +279,8 @@ def decode(path: Path, kind: type[D]) -> D:
         raise SchemaError(f"{path.name} has schema_version {version!r}; this scd reads "
                           f"{sorted(READABLE_SCHEMAS)}")
     try:
+        if kind is Sidecar and version != SCHEMA_VERSION:
+            return cast(D, _sidecar_from_schema_4(msgspec.json.decode(raw, type=_Schema4Sidecar), path.name))
         return msgspec.json.decode(raw, type=kind)
     except msgspec.DecodeError as exc:
         raise SchemaError(f"{path.name} is malformed: {exc}") from None

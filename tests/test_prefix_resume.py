@@ -8,15 +8,18 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import msgspec
 import orjson
 import pytest
 
 from scd.checkpoint import layout
+from scd.checkpoint.restore import RestoreReport
 from scd.checkpoint.verify import BundleError
 from scd.daemon import Controller, Triggers
 from scd.dataplane import DataPlane
 from scd.generation.base import GenerationBackend, GroupRequest
 from scd.records import Completion
+from scd.schema import FinishedSiblingRecord, PrefixRecord, Sidecar, decode
 from tests.conftest import tiny_config
 from tests.support.bundles import edit_json
 
@@ -54,7 +57,7 @@ async def crash_after_a_checkpoint_with_prefixes(config: Any, backend: Generatio
                     while checkpointer.statistics().completed == done:
                         await anyio.sleep(0.01)
                     sidecar = orjson.loads((layout.finalized_bundles(root)[-1] / layout.SIDECAR_FILE).read_bytes())
-                    if any(not p[5] for p in sidecar["prefixes"]):
+                    if sidecar["prefixes"]:  # every prefix is part-way (finished siblings are listed apart)
                         break
             tg.cancel_scope.cancel()
     await DataPlane(config.data_plane).clear_all()
@@ -66,8 +69,8 @@ async def test_a_crash_gives_back_part_way_siblings_and_each_resumes_from_its_pr
     config = long_task_config(tmp_path, partition)
     bundle = await crash_after_a_checkpoint_with_prefixes(config)
     sidecar = orjson.loads((bundle / layout.SIDECAR_FILE).read_bytes())
-    in_bundle = {(p[0], p[1]): p for p in sidecar["prefixes"]}
-    part_way = {key: p for key, p in in_bundle.items() if not p[5]}
+    in_bundle = {(p[0], p[1]): p for p in [*sidecar["prefixes"], *sidecar["finished_siblings"]]}
+    part_way = {(p[0], p[1]): p for p in sidecar["prefixes"]}
     assert part_way
 
     async with Controller.open(config) as controller:
@@ -137,7 +140,7 @@ async def test_a_prefix_out_of_the_window_is_dropped_and_generated_again_and_a_w
         resumed = {(r.group_id, i) for r in requeued for i, _ in r.prefixes}
         assert not resumed & {(p[0], p[1]) for p in old}
         again = {(r.group_id, i) for r in requeued for i in r.siblings}
-        assert {(p[0], p[1]) for p in old if not p[5]} <= again  # generated again, from the prompt
+        assert {(p[0], p[1]) for p in old} <= again  # generated again, from the prompt
         await controller.dataplane.clear_all()
 
     # A prefix with a version above the cut's, or lengths that disagree: exit 3 naming the group.
@@ -158,3 +161,55 @@ async def test_a_prefix_out_of_the_window_is_dropped_and_generated_again_and_a_w
                 await controller.restore()
         assert refused.value.exit_code == 3, name
         assert f"group {victim[0]}" in str(refused.value), name
+
+
+def as_schema_4(document: dict[str, Any]) -> None:
+    """A schema 5 sidecar rewritten as schema 4 wrote it: a finished sibling the cut did not stage was a
+    prefix with a finish reason, of one version run."""
+    document["schema_version"] = 4
+    finished = document.pop("finished_siblings")
+    document["prefixes"] = [[*p, ""] for p in document["prefixes"]] + [
+        [group_id, index, token_ids, logprobs, [[0, version]], finish] for
+        group_id, index, token_ids, logprobs, version, finish in finished]
+
+
+def test_a_schema_4_sidecar_reads_its_finished_prefixes_as_finished_siblings(tmp_path: Path) -> None:
+    sidecar = {"schema_version": 4, "partition": "p", "replay_digest": "d", "groups": [],
+               "ledger": {"entries": [], "pruned": {}},
+               "sampler": {"name": "windowed", "state": {}, "supports_replay_checkpoint": True},
+               "prefixes": [["g1", 0, [5, 6], [-0.5, -0.25], [[0, 2], [1, 3]], ""],
+                            ["g1", 1, [7], [-1.0], [[0, 3]], "stop"], ["g2", 3, [8, 9], [-0.1, -0.2], [[0, 1]]]]}
+    (tmp_path / "sidecar.json").write_bytes(msgspec.json.encode(sidecar))
+    read = decode(tmp_path / "sidecar.json", Sidecar)
+    assert read.prefixes == [PrefixRecord("g1", 0, [5, 6], [-0.5, -0.25], [(0, 2), (1, 3)]),
+                             PrefixRecord("g2", 3, [8, 9], [-0.1, -0.2], [(0, 1)])]
+    assert read.finished_siblings == [FinishedSiblingRecord("g1", 1, [7], [-1.0], 3, "stop")]
+
+
+def comparable(report: RestoreReport, requeued: list[GroupRequest]) -> tuple[Any, ...]:
+    return (report.step, report.groups_restored, report.groups_evicted_stale, report.prompts_redispatched,
+            report.siblings_reused, report.siblings_rerun, report.stale_tokens, report.prefix_tokens_reused,
+            report.prefix_tokens_dropped, report.siblings_resumed,
+            sorted((r.group_id, r.siblings, r.prefixes) for r in requeued))
+
+
+async def test_a_bundle_written_as_schema_4_restores_as_it_does_as_schema_5(tmp_path: Path, partition: str) -> None:
+    config = long_task_config(tmp_path, partition)
+    bundle = await crash_after_a_checkpoint_with_prefixes(config)
+    restored: dict[str, tuple[Any, ...]] = {}
+    for schema in ("5", "4"):
+        root = tmp_path / f"schema-{schema}"
+        shutil.copytree(bundle, root / bundle.name)
+        if schema == "4":
+            edit_json(root / bundle.name, layout.SIDECAR_FILE, as_schema_4)
+            edit_json(root / bundle.name, layout.DATALOADER_FILE, lambda d: d.update(schema_version=4))
+            edit_json(root / bundle.name, layout.TRAINING_INFO_FILE, lambda d: d.update(schema_version=4))
+            assert orjson.loads((root / bundle.name / layout.SIDECAR_FILE).read_bytes())["prefixes"]
+        await DataPlane(config.data_plane).clear_all()
+        async with Controller.open(long_task_config(tmp_path, partition, checkpoints=root)) as controller:
+            report = await controller.restore()
+            assert report is not None
+            restored[schema] = comparable(report, await controller.rollouts.take_requeued())
+            await controller.dataplane.clear_all()
+    assert restored["4"] == restored["5"]
+    assert restored["5"][9] > 0  # part-way siblings resumed

@@ -6,7 +6,7 @@ takes bundles from a stream with no buffer, so one write at a time holds by
 construction: an attempt while the writer is busy is skipped
 (``already_running``).  Every attempt is recorded once with what really
 happened: scheduled (the writer has it), completed, skipped or failed.  An
-invariant violation stops the daemon at once; I/O errors and timeouts are
+invariant violation stops the run at once; I/O errors and timeouts are
 retried at the next opportunity until ``max_consecutive_failures`` in a row.
 """
 
@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,9 +35,9 @@ from scd.checkpoint.save import (
 from scd.config import Config
 from scd.dataplane import DataPlane
 from scd.errors import InvariantViolation, ScdError
-from scd.ledger import PromptLedger
-from scd.records import PartialSibling
+from scd.generation.base import GenerationBackend
 from scd.risk import WorkAtRisk
+from scd.rollouts import Rollouts, RolloutsCut
 from scd.schema import OUTCOME_REASONS, CheckpointPhase, Outcome, SkipReason, Trigger
 from scd.state import ControllerState
 from scd.telemetry import metrics
@@ -64,7 +63,7 @@ class CheckpointerStatistics:
 
 class Checkpointer:
     def __init__(self, config: Config, events: EventLog, state: ControllerState, dataplane: DataPlane,
-                 trainer: Trainer, risk: WorkAtRisk, partials: Callable[[PromptLedger], list[PartialSibling]]) -> None:
+                 trainer: Trainer, risk: WorkAtRisk, rollouts: Rollouts, generation: GenerationBackend) -> None:
         ckpt = config.checkpointing
         self.root = Path(ckpt.dir)
         self.keep_last = ckpt.keep_last
@@ -73,8 +72,7 @@ class Checkpointer:
         self.last_completed_step: int | None = None
         self.consecutive_failures = 0
         self._state, self._dataplane, self._trainer, self._risk = state, dataplane, trainer, risk
-        # The siblings of a cut's in-flight groups it does not stage: part-way, or finished and queued.
-        self._partials = partials if ckpt.capture_prefixes else lambda ledger: []
+        self._rollouts, self._generation, self._capture_rollouts = rollouts, generation, ckpt.capture_prefixes
         self._context = BundleContext(
             partition=config.data_plane.partition, storage_units=config.data_plane.storage_units,
             capacity=config.admission_capacity_groups(),
@@ -157,9 +155,10 @@ class Checkpointer:
             # After the hold: a prefix is valid to resume from whenever it is taken (tokens only grow),
             # and the train pump, waiting here, starts no weight version past the cut's meanwhile.
             captured_from = time.monotonic()
-            partials = self._partials(cut.ledger)
+            rollouts = (self._rollouts.capture(cut.ledger, self._generation.partial_siblings())
+                        if self._capture_rollouts else RolloutsCut())
             phases[CheckpointPhase.PREFIX_CAPTURE] = time.monotonic() - captured_from
-            at_cut = self._risk.mark_cut(partials)
+            at_cut = self._risk.mark_cut(rollouts)
         except Exception as exc:
             await self._failed(tmp, trigger, exc, step)
             return Outcome.FAILED
@@ -179,7 +178,7 @@ class Checkpointer:
                 raise
             await self._failed(tmp, trigger, exc, step)
             return Outcome.FAILED
-        pending = PendingBundle(cut, window, trainer_state, at_cut, partials, tmp, final, trigger, phases, started)
+        pending = PendingBundle(cut, window, trainer_state, at_cut, rollouts, tmp, final, trigger, phases, started)
         self._idle = anyio.Event()
         await self._to_writer.send(pending)
         await self._record(Outcome.SCHEDULED, trigger.value, step)

@@ -4,8 +4,8 @@ Order, one timed phase each (``RestorePhase``): resolve the bundle and check its
 files' digests (before TQ unpickles anything) -> decode the replay metadata and
 check it against this run's config -> the dataloader's cursor against the
 ledger -> TQ must be clean -> load the policy -> TQ's snapshot -> the exact
-inventory -> ``ControllerState.install`` -> read the in-window staged siblings
-back (older ones are unstaged) -> evict stale groups -> the first weight sync ->
+inventory -> ``ControllerState.install`` -> read the staged siblings back and
+hand them, with the bundle's own, to ``Rollouts.restore`` -> evict stale groups -> the first weight sync ->
 requeue in-flight prompts for generation.  Then admission may start.  Every
 refusal comes before the trainer or TQ is loaded, except the inventory check,
 which needs TQ's snapshot.  A bundle that fails a check is an
@@ -18,7 +18,6 @@ telemetry, as save does.
 from __future__ import annotations
 
 import logging
-import math
 import os
 import shutil
 import time
@@ -35,11 +34,11 @@ from scd import faults
 from scd.checkpoint import layout
 from scd.checkpoint.verify import (
     BundleError,
-    VerifiedBundle,
+    check_against_config,
     legacy_replay_error,
     newest_verifying,
     read_metadata,
-    storage_units_of,
+    require_cursor_ahead_of_ledger,
     verify_files,
 )
 from scd.config import Config
@@ -48,11 +47,10 @@ from scd.dataplane import DataPlane
 from scd.errors import ConfigError, InvariantViolation
 from scd.generation.base import GenerationBackend
 from scd.ledger import PromptLedger, PromptState, staged_key
-from scd.records import Completion, FinishReason, PartialSibling, Prefix
+from scd.records import Completion, FinishReason, Prefix
 from scd.replay import ReplayIndex, require_cut_inventory, require_exact_inventory
-from scd.rollouts import Rollouts
-from scd.samplers import DispatchView, SamplerStateError
-from scd.schema import PrefixRecord, RestorePhase, RunIdentity, SchemaError, TrainingInfo, Trigger, decode
+from scd.rollouts import Rollouts, RolloutsCut
+from scd.schema import RestorePhase, RunIdentity, SchemaError, Sidecar, TrainingInfo, Trigger, decode
 from scd.state import ControllerState, Restored
 from scd.telemetry import metrics
 from scd.telemetry.events import EventLog
@@ -90,8 +88,8 @@ class RestoreReport:
     # Completion tokens of restored groups evicted stale and of staged siblings out of the window: what
     # the restart threw away of work already generated (a shadow restore's siblings are not read: not counted).
     stale_tokens: int
-    # The bundle's prefixes: tokens taken up (resumed, or finished siblings not yet staged at the cut)
-    # and thrown away (out of the window, too long, or a backend that cannot resume); siblings resumed.
+    # The bundle's own siblings (``RolloutsRestored``): tokens taken up (resumed, or finished) and thrown
+    # away (out of the window, too long, or a backend that cannot resume); siblings resumed.
     prefix_tokens_reused: int = 0
     prefix_tokens_dropped: int = 0
     siblings_resumed: int = 0
@@ -215,56 +213,6 @@ def older_bundle_hint(bundle: Path, explicit: bool) -> str:
     return f"; {which} is {fallback}: restart with {flags}"
 
 
-def check_against_config(config: Config, state: ControllerState, verified: VerifiedBundle,
-                         allow_config_change: bool) -> None:
-    info, bundle = verified.info, verified.path
-
-    def refuse(reason: str) -> None:
-        raise BundleError(bundle, reason)
-
-    if info.sampler != state.sampler.name:
-        refuse(f"was written with sampler {info.sampler!r}; this run uses {state.sampler.name!r}")
-    if info.partition != config.data_plane.partition:
-        refuse(f"holds TQ partition {info.partition!r}; this run uses {config.data_plane.partition!r}")
-    in_flight = len(verified.ledger.in_state(PromptState.IN_FLIGHT))
-    # Only the configured limit refuses: beyond what the window can use, admission just waits while
-    # the restored groups are trained (or evicted stale).
-    limit = config.async_rl.buffer_capacity_groups
-    if limit != "auto" and info.groups + in_flight > limit:
-        refuse(f"holds {info.groups} ready groups and {in_flight} prompts in flight, more than "
-               f"async_rl.buffer_capacity_groups = {limit}")
-    if info.config_fingerprint != config.fingerprint() and not allow_config_change:
-        saved, now = info.config_fingerprint_fields, config.fingerprint_fields()
-        changed = sorted(k for k in set(saved) | set(now) if saved.get(k) != now.get(k))
-        refuse(f"was written under other settings that change what its rollouts or its sampler state mean: "
-               f"{changed}; pass --allow-config-change to restore anyway (a gated sampler's dispatch state is "
-               "then re-derived from the ledger)")
-    saved_units = storage_units_of(info)
-    if saved_units != config.data_plane.storage_units:
-        # TQ refuses such a load only once it has begun, with a traceback; refused here, before it.
-        refuse(f"holds a TQ snapshot of {saved_units} storage unit(s); data_plane.storage_units is "
-               f"{config.data_plane.storage_units}, and TQ loads a snapshot only into as many units: set "
-               f"data_plane.storage_units = {saved_units} to restore it")
-    if info.group_size != config.generation.group_size:
-        refuse(f"holds groups of {info.group_size}; generation.group_size is {config.generation.group_size}")
-    group_size = config.generation.group_size
-    outside = [gid for gid, e in verified.ledger.entries().items() if any(i >= group_size for i, _ in e.staged)]
-    if outside:
-        refuse(f"stages siblings beyond generation.group_size = {group_size} (first: {outside[:3]})")
-    beyond = [gid for gid, e in verified.ledger.entries().items() if e.prompt_id >= state.order.num_prompts]
-    if beyond:
-        refuse(f"names prompts the task no longer has (task.path holds {state.order.num_prompts} prompts; "
-               f"first: {beyond[:3]})")
-    if state.sampler.supports_replay_checkpoint:
-        # The sampler must be able to resume from its document beside this ledger (install re-checks it
-        # and applies it); refused here, before the trainer or TQ is loaded.  A shadow restore ignores
-        # the document: install re-derives the state from the step.
-        try:
-            state.sampler.check_state(verified.sidecar.sampler.state, DispatchView.of(verified.ledger, info.step))
-        except SamplerStateError as exc:
-            refuse(str(exc))
-
-
 def after_a_crash(info: TrainingInfo) -> RunIdentity:
     """The bundle's run, a crash restart counted unless the bundle is a clean exit's (its last)."""
     assert info.run is not None
@@ -291,8 +239,8 @@ async def restore_state(config: Config, parts: RestoreParts, restore_from: Path 
     check_against_config(config, state, verified, allow_config_change)
     sidecar = verified.sidecar
     shadow = not state.sampler.supports_replay_checkpoint
-    partials = verify_or_point_elsewhere(bundle, explicit, lambda: checked_prefixes(
-        bundle, sidecar.prefixes, verified.ledger, info.weight_version, config.generation.group_size))
+    rollouts_cut = verify_or_point_elsewhere(bundle, explicit, lambda: checked_rollouts_cut(
+        bundle, sidecar, verified.ledger, info.weight_version, config.generation.group_size))
     buckets = state.fates.buckets
     if sidecar.prompt_fates and set(sidecar.prompt_fates) != set(buckets.labels):
         log.warning("%s counted prompt fates in buckets %s; this run buckets by %s into %s: only the buckets "
@@ -342,12 +290,11 @@ async def restore_state(config: Config, parts: RestoreParts, restore_from: Path 
     ))
     clock.lap(RestorePhase.LEDGER)
 
-    reused, rerun, stale_sibling_tokens = await restore_staged_siblings(state, dataplane, parts.rollouts)
-    rerun += len(staged_in_bundle) if shadow else 0
-    prefixes = resume_prefixes(partials, state, parts.rollouts, parts.generation, shadow)
+    siblings = await parts.rollouts.restore(rollouts_cut, await read_staged_siblings(state, dataplane),
+                                            resumable=parts.generation.resumable, shadow=shadow)
     clock.lap(RestorePhase.SIBLINGS)
     evicted = await parts.rollouts.evict_stale(at_restore=True)
-    stale_tokens = stale_sibling_tokens + sum(group.completion_tokens for group in evicted)
+    stale_tokens = siblings.stale_tokens + sum(group.completion_tokens for group in evicted)
     clock.lap(RestorePhase.EVICT)
     await parts.generation.update_weights(parts.trainer.live_weights(), state.weight_version)
     clock.lap(RestorePhase.FIRST_WEIGHT_SYNC)
@@ -357,57 +304,45 @@ async def restore_state(config: Config, parts: RestoreParts, restore_from: Path 
     report = RestoreReport(
         bundle=bundle, step=info.step, bundle_time=info.time, groups_restored=len(state.replay),
         groups_evicted_stale=len(evicted), prompts_redispatched=redispatched, shadow=shadow,
-        uncut_groups_cleared=uncut_cleared, siblings_reused=reused, siblings_rerun=rerun,
-        stale_tokens=stale_tokens, prefix_tokens_reused=prefixes.reused_tokens,
-        prefix_tokens_dropped=prefixes.dropped_tokens, siblings_resumed=prefixes.resumed, phases=clock.stop(),
+        uncut_groups_cleared=uncut_cleared, siblings_reused=siblings.siblings_reused,
+        # A shadow restore loaded no TQ snapshot: every sibling the bundle staged is generated again.
+        siblings_rerun=siblings.siblings_rerun + (len(staged_in_bundle) if shadow else 0),
+        stale_tokens=stale_tokens, prefix_tokens_reused=siblings.prefix_tokens_reused,
+        prefix_tokens_dropped=siblings.prefix_tokens_dropped, siblings_resumed=siblings.siblings_resumed,
+        phases=clock.stop(),
     )
     await record_restore(report, parts.events)
     return report
 
 
-async def restore_staged_siblings(state: ControllerState, dataplane: DataPlane,
-                                  rollouts: Rollouts) -> tuple[int, int, int]:
-    """The restored cut's staged siblings: those within the staleness window are read back and handed
-    to ``rollouts`` (not generated again); older ones are unstaged, to be generated again.
-
-    Returns (reused, rerun, the rerun ones' tokens).
-    """
-    window_start = state.window_start()
-    reusable: list[tuple[str, int, int]] = []
-    stale: dict[str, list[tuple[int, int]]] = {}
-    for group_id in state.ledger.in_state(PromptState.IN_FLIGHT):
-        for index, version in state.ledger.entry(group_id).staged:
-            if version >= window_start:
-                reusable.append((group_id, index, version))
-            else:
-                stale.setdefault(group_id, []).append((index, version))
-    # The stale ones are read too (one get), before they are unstaged: their tokens are what is thrown away.
-    stale_keys = [staged_key(group_id, *sibling) for group_id, group in stale.items() for sibling in group]
-    read = await dataplane.get_siblings([staged_key(*sibling) for sibling in reusable] + stale_keys)
-    for group_id, group in stale.items():
-        await state.unstage_siblings(group_id, tuple(group))
+async def read_staged_siblings(state: ControllerState, dataplane: DataPlane) -> dict[str, dict[int, Completion]]:
+    """The restored cut's staged siblings read back from TQ in one get, by group id and sibling index; those
+    out of the staleness window too (their tokens are what ``Rollouts.restore`` throws away)."""
+    staged = [(group_id, index, version) for group_id in state.ledger.in_state(PromptState.IN_FLIGHT)
+              for index, version in state.ledger.entry(group_id).staged]
+    read = await dataplane.get_siblings([staged_key(*sibling) for sibling in staged])
     siblings: dict[str, dict[int, Completion]] = {}
-    for (group_id, index, version), (token_ids, logprobs, finish) in zip(reusable, read[:len(reusable)], strict=True):
+    for (group_id, index, version), (token_ids, logprobs, finish) in zip(staged, read, strict=True):
         siblings.setdefault(group_id, {})[index] = Completion(token_ids, logprobs, finish, version)
-    rollouts.keep_restored(siblings)
-    return len(reusable), len(stale_keys), sum(len(token_ids) for token_ids, _, _ in read[len(reusable):])
+    return siblings
 
 
-def checked_prefixes(bundle: Path, records: list[PrefixRecord], ledger: PromptLedger, weight_version: int,
-                     group_size: int) -> list[PartialSibling]:
-    """The bundle's prefixes, each checked against its cut: exit 3 naming the group of the first that is wrong.
+def checked_rollouts_cut(bundle: Path, sidecar: Sidecar, ledger: PromptLedger, weight_version: int,
+                         group_size: int) -> RolloutsCut:
+    """The bundle's siblings of in-flight groups it did not stage, each checked against its cut: exit 3
+    naming the group of the first that is wrong.
 
-    A prefix belongs to a sibling of a group in flight at the cut, not staged there, listed once; its
-    tokens and logprobs are as many, and its version runs start at its first token, ascend, and hold
-    no version above the cut's (a prefix is taken at the cut, before the next step).
+    Each belongs to a sibling of a group in flight at the cut, not staged there, listed once; its tokens
+    and logprobs are as many, and no version is above the cut's (taken at the cut, before the next step).
+    A prefix's version runs start at its first token and ascend; a finished sibling ends in length or stop.
     """
-    partials: list[PartialSibling] = []
+    prefixes: dict[str, dict[int, Prefix]] = {}
+    finished: dict[str, dict[int, Completion]] = {}
     seen: set[tuple[str, int]] = set()
-    for record in records:
-        group_id, index = record.group_id, record.index
 
-        def refuse(why: str, group_id: str = group_id, index: int = index) -> NoReturn:
-            raise BundleError(bundle, f"the prefix of sibling {index} of group {group_id} {why}")
+    def checked(what: str, group_id: str, index: int, tokens: int, logprobs: int) -> Callable[[str], NoReturn]:
+        def refuse(why: str) -> NoReturn:
+            raise BundleError(bundle, f"{what} {index} of group {group_id} {why}")
 
         if ledger.state_of(group_id) is not PromptState.IN_FLIGHT:
             refuse(f"is for a group the cut's ledger does not hold in flight ({ledger.state_of(group_id)})")
@@ -415,60 +350,31 @@ def checked_prefixes(bundle: Path, records: list[PrefixRecord], ledger: PromptLe
             refuse(f"names a sibling index out of 0..{group_size - 1}, or one named before")
         if any(i == index for i, _ in ledger.entry(group_id).staged):
             refuse("is for a sibling the cut staged")
-        n = len(record.token_ids)
-        if n == 0 or len(record.logprobs) != n:
-            refuse(f"holds {n} tokens and {len(record.logprobs)} logprobs")
-        starts = [start for start, _ in record.version_runs]
-        versions = [version for _, version in record.version_runs]
-        if not starts or starts[0] != 0 or starts != sorted(set(starts)) or starts[-1] >= n:
-            refuse(f"has version runs starting at {starts} for {n} tokens")
+        if tokens == 0 or logprobs != tokens:
+            refuse(f"holds {tokens} tokens and {logprobs} logprobs")
+        seen.add((group_id, index))
+        return refuse
+
+    for p in sidecar.prefixes:
+        refuse = checked("the prefix of sibling", p.group_id, p.index, len(p.token_ids), len(p.logprobs))
+        starts = [start for start, _ in p.version_runs]
+        versions = [version for _, version in p.version_runs]
+        if not starts or starts[0] != 0 or starts != sorted(set(starts)) or starts[-1] >= len(p.token_ids):
+            refuse(f"has version runs starting at {starts} for {len(p.token_ids)} tokens")
         if versions != sorted(versions) or versions[0] < 0 or versions[-1] > weight_version:
             refuse(f"has token versions {versions}, above the cut's weight version {weight_version} or "
                    "out of order")
-        if record.finish_reason not in ("", FinishReason.LENGTH.value, FinishReason.STOP.value):
-            refuse(f"ends {record.finish_reason!r}")
-        seen.add((group_id, index))
-        partials.append(PartialSibling(
-            group_id, index, Prefix(tuple(record.token_ids), tuple(record.logprobs),
-                                    tuple((start, version) for start, version in record.version_runs)),
-            FinishReason(record.finish_reason) if record.finish_reason else None))
-    return partials
-
-
-@dataclass(slots=True)
-class PrefixOutcome:
-    reused_tokens: int = 0
-    dropped_tokens: int = 0
-    resumed: int = 0
-
-
-def resume_prefixes(partials: list[PartialSibling], state: ControllerState, rollouts: Rollouts,
-                    generation: GenerationBackend, shadow: bool) -> PrefixOutcome:
-    """The bundle's prefixes handed to ``rollouts``: finished siblings as finished, part-way ones to resume
-    (their groups' next requests go on from them).  One whose oldest token is out of the staleness window
-    is dropped (its sibling generated again), as is every part-way one when the backend cannot resume or
-    the prompt's budget has no room left for it, and every one in a shadow restore (its siblings are all
-    generated again)."""
-    outcome = PrefixOutcome()
-    window_start = math.inf if shadow else state.window_start()
-    finished: dict[str, dict[int, Completion]] = {}
-    resumed: dict[str, dict[int, Prefix]] = {}
-    for partial in partials:
-        prefix, n = partial.prefix, len(partial.prefix.token_ids)
-        if prefix.oldest_version >= window_start and partial.finish_reason is not None:
-            finished.setdefault(partial.group_id, {})[partial.index] = Completion(
-                list(prefix.token_ids), list(prefix.logprobs), partial.finish_reason, prefix.oldest_version)
-        elif (prefix.oldest_version >= window_start and generation.resumable
-              and n < rollouts.max_tokens_of(partial.group_id)):
-            resumed.setdefault(partial.group_id, {})[partial.index] = prefix
-            outcome.resumed += 1
-        else:
-            outcome.dropped_tokens += n
-            continue
-        outcome.reused_tokens += n
-    rollouts.keep_restored(finished)
-    rollouts.keep_prefixes(resumed)
-    return outcome
+        prefixes.setdefault(p.group_id, {})[p.index] = Prefix(
+            tuple(p.token_ids), tuple(p.logprobs), tuple((start, version) for start, version in p.version_runs))
+    for f in sidecar.finished_siblings:
+        refuse = checked("finished sibling", f.group_id, f.index, len(f.token_ids), len(f.logprobs))
+        if not 0 <= f.weight_version <= weight_version:
+            refuse(f"has weight version {f.weight_version}, above the cut's {weight_version} or negative")
+        if f.finish_reason not in (FinishReason.LENGTH.value, FinishReason.STOP.value):
+            refuse(f"ends {f.finish_reason!r}")
+        finished.setdefault(f.group_id, {})[f.index] = Completion(
+            f.token_ids, f.logprobs, FinishReason(f.finish_reason), f.weight_version)
+    return RolloutsCut(finished, prefixes)
 
 
 async def record_restore(report: RestoreReport, events: EventLog) -> None:
@@ -542,16 +448,3 @@ async def require_clean_data_plane(dataplane: DataPlane, bundle: Path) -> None:
             "snapshot, which replaces every partition and would wipe them; nothing was loaded. Restore into a "
             "TQ of its own (leave data_plane.ray.address empty for a private Ray, or join another cluster), "
             "or clear those partitions first if nobody needs them"))
-
-
-def require_cursor_ahead_of_ledger(order: PromptOrder, ledger: PromptLedger, bundle: Path) -> None:
-    """The dataloader cursor must be past every prompt the ledger holds, or prompts would be admitted twice."""
-    epoch, cursor = order.state.epoch, order.state.cursor
-    rank = order.ranks(epoch)
-    for group_id, entry in ledger.entries().items():
-        if entry.epoch > epoch:
-            raise BundleError(bundle, f"dataloader cursor (epoch {epoch}) is behind prompt {group_id} of epoch "
-                                      f"{entry.epoch}")
-        if entry.epoch == epoch and rank[entry.prompt_id] >= cursor:
-            raise BundleError(bundle, f"dataloader cursor {cursor} of epoch {epoch} is behind restored prompt "
-                                      f"{group_id}: it would be admitted twice")

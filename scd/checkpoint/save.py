@@ -26,13 +26,14 @@ from scd import faults
 from scd.checkpoint import layout
 from scd.dataplane import DataPlane, SaveWindow
 from scd.errors import DataPlaneError, InvariantViolation, ShortRead
-from scd.records import PartialSibling
 from scd.replay import require_cut_inventory
 from scd.risk import CutMark
+from scd.rollouts import RolloutsCut
 from scd.schema import (
     CheckpointPhase,
     DataloaderDocument,
     FailReason,
+    FinishedSiblingRecord,
     Outcome,
     PrefixRecord,
     SamplerDocument,
@@ -77,7 +78,7 @@ class PendingBundle:
     window: SaveWindow
     trainer_state: StateCapture
     at_cut: CutMark  # the work the cut holds, for the loss window once the bundle is final
-    partials: list[PartialSibling]  # siblings of the cut's in-flight groups it does not stage
+    rollouts: RolloutsCut  # siblings of the cut's in-flight groups it does not stage
     tmp: Path
     final: Path
     trigger: Trigger
@@ -164,8 +165,11 @@ def write_bundle(pending: PendingBundle, keep_last: int, context: BundleContext)
     sidecar = encode(Sidecar(
         partition=context.partition, replay_digest=cut.replay_digest, groups=cut.groups,
         ledger=cut.ledger.to_document(), uncut_keys=pending.uncut, prompt_fates=cut.fates,
-        prefixes=[PrefixRecord(p.group_id, p.index, list(p.prefix.token_ids), list(p.prefix.logprobs),
-                               list(p.prefix.version_runs), p.finish_reason or "") for p in pending.partials],
+        prefixes=[PrefixRecord(group_id, index, list(p.token_ids), list(p.logprobs), list(p.version_runs))
+                  for group_id, prefixes in pending.rollouts.prefixes.items() for index, p in prefixes.items()],
+        finished_siblings=[
+            FinishedSiblingRecord(group_id, index, c.token_ids, c.logprobs, c.weight_version, c.finish_reason.value)
+            for group_id, finished in pending.rollouts.finished.items() for index, c in finished.items()],
         sampler=SamplerDocument(name=cut.sampler_name, state=cut.sampler_state,
                                 supports_replay_checkpoint=cut.supports_replay_checkpoint),
     ))

@@ -14,10 +14,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from scd.checkpoint import layout
+from scd.config import Config
+from scd.dataloader import PromptOrder
 from scd.errors import InvariantViolation
 from scd.ledger import PromptLedger, PromptState, group_id_for
 from scd.replay import GroupMeta, ReplayIndex, sample_ids_for
+from scd.samplers import DispatchView, SamplerStateError
 from scd.schema import DataloaderDocument, SchemaError, Sidecar, TrainingInfo, decode
+from scd.state import ControllerState
 
 
 class BundleError(InvariantViolation):
@@ -149,6 +153,57 @@ def read_metadata(bundle: Path, info: TrainingInfo) -> VerifiedBundle:
     return VerifiedBundle(bundle, info, sidecar, dataloader, ledger, index)
 
 
+def check_against_config(config: Config, state: ControllerState, verified: VerifiedBundle,
+                         allow_config_change: bool) -> None:
+    """A verified bundle against this run's config and sampler, before a restore loads anything."""
+    info, bundle = verified.info, verified.path
+
+    def refuse(reason: str) -> None:
+        raise BundleError(bundle, reason)
+
+    if info.sampler != state.sampler.name:
+        refuse(f"was written with sampler {info.sampler!r}; this run uses {state.sampler.name!r}")
+    if info.partition != config.data_plane.partition:
+        refuse(f"holds TQ partition {info.partition!r}; this run uses {config.data_plane.partition!r}")
+    in_flight = len(verified.ledger.in_state(PromptState.IN_FLIGHT))
+    # Only the configured limit refuses: beyond what the window can use, admission just waits while
+    # the restored groups are trained (or evicted stale).
+    limit = config.async_rl.buffer_capacity_groups
+    if limit != "auto" and info.groups + in_flight > limit:
+        refuse(f"holds {info.groups} ready groups and {in_flight} prompts in flight, more than "
+               f"async_rl.buffer_capacity_groups = {limit}")
+    if info.config_fingerprint != config.fingerprint() and not allow_config_change:
+        saved, now = info.config_fingerprint_fields, config.fingerprint_fields()
+        changed = sorted(k for k in set(saved) | set(now) if saved.get(k) != now.get(k))
+        refuse(f"was written under other settings that change what its rollouts or its sampler state mean: "
+               f"{changed}; pass --allow-config-change to restore anyway (a gated sampler's dispatch state is "
+               "then re-derived from the ledger)")
+    saved_units = storage_units_of(info)
+    if saved_units != config.data_plane.storage_units:
+        # TQ refuses such a load only once it has begun, with a traceback; refused here, before it.
+        refuse(f"holds a TQ snapshot of {saved_units} storage unit(s); data_plane.storage_units is "
+               f"{config.data_plane.storage_units}, and TQ loads a snapshot only into as many units: set "
+               f"data_plane.storage_units = {saved_units} to restore it")
+    if info.group_size != config.generation.group_size:
+        refuse(f"holds groups of {info.group_size}; generation.group_size is {config.generation.group_size}")
+    group_size = config.generation.group_size
+    outside = [gid for gid, e in verified.ledger.entries().items() if any(i >= group_size for i, _ in e.staged)]
+    if outside:
+        refuse(f"stages siblings beyond generation.group_size = {group_size} (first: {outside[:3]})")
+    beyond = [gid for gid, e in verified.ledger.entries().items() if e.prompt_id >= state.order.num_prompts]
+    if beyond:
+        refuse(f"names prompts the task no longer has (task.path holds {state.order.num_prompts} prompts; "
+               f"first: {beyond[:3]})")
+    if state.sampler.supports_replay_checkpoint:
+        # The sampler must be able to resume from its document beside this ledger (install re-checks it
+        # and applies it); refused here, before the trainer or TQ is loaded.  A shadow restore ignores
+        # the document: install re-derives the state from the step.
+        try:
+            state.sampler.check_state(verified.sidecar.sampler.state, DispatchView.of(verified.ledger, info.step))
+        except SamplerStateError as exc:
+            refuse(str(exc))
+
+
 def newest_verifying(root: Path, below_step: int) -> Path | None:
     """The newest finalized bundle older than ``below_step`` that verifies, for an operator's hint."""
     for bundle in reversed(layout.finalized_bundles(root)):
@@ -160,3 +215,16 @@ def newest_verifying(root: Path, below_step: int) -> Path | None:
             continue
         return bundle
     return None
+
+
+def require_cursor_ahead_of_ledger(order: PromptOrder, ledger: PromptLedger, bundle: Path) -> None:
+    """The dataloader cursor must be past every prompt the ledger holds, or prompts would be admitted twice."""
+    epoch, cursor = order.state.epoch, order.state.cursor
+    rank = order.ranks(epoch)
+    for group_id, entry in ledger.entries().items():
+        if entry.epoch > epoch:
+            raise BundleError(bundle, f"dataloader cursor (epoch {epoch}) is behind prompt {group_id} of epoch "
+                                      f"{entry.epoch}")
+        if entry.epoch == epoch and rank[entry.prompt_id] >= cursor:
+            raise BundleError(bundle, f"dataloader cursor {cursor} of epoch {epoch} is behind restored prompt "
+                                      f"{group_id}: it would be admitted twice")
