@@ -13,7 +13,8 @@ Layering, bottom to top (a module imports only from layers below it):
    prompt's fate counted per bucket).  Then ``state``: those parts
    together and the only code that mutates them, each mutation under the
    barrier; TQ rows are written through a protocol handed in.
-3. Adapters to the outside world: ``dataplane`` (TransferQueue on Ray, every
+3. Adapters to the outside world: ``cluster`` (the Ray scd runs on, and the
+   device plan: what the trainer ranks and engines get), ``dataplane`` (TransferQueue on Ray, every
    call bounded), ``training`` (the policy seam, GRPO, and the trainer as FSDP2 ranks on Ray), ``generation``
    (torch, vLLM or the synthetic load-testing engine), ``telemetry`` (Prometheus, events,
    experiment trackers),

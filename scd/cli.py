@@ -15,10 +15,10 @@ import orjson
 from anyio.abc import TaskStatus
 
 from scd.checkpoint.restore import keep_history_linear
+from scd.cluster import plan_devices
 from scd.config import Config, load_config
 from scd.daemon import Controller, Triggers
 from scd.errors import EXIT_CONFIG, EXIT_INVARIANT, EXIT_OK, EXIT_OTHER, ScdError
-from scd.generation.devices import plan_engine_devices
 from scd.samplers import build_sampler
 from scd.telemetry.http import open_listener, serve_http
 from scd.telemetry.trackers import require_tracker_packages
@@ -177,11 +177,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(write_report(args.events, args.out))
             return EXIT_OK
         config = load_config(args.config)
-        # A custom sampler, the trackers' packages and the engines' devices are checked here, before Ray or
+        # A custom sampler, the trackers' packages and the device plan are checked here, before Ray or
         # any engine starts.
         build_sampler(config)
         require_tracker_packages(config.telemetry)
-        plan_engine_devices(config)
+        plan_devices(config)
         if args.max_steps is not None and args.max_steps < 1:
             print("scd: error: --max-steps must be >= 1", file=sys.stderr)
             return EXIT_CONFIG

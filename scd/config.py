@@ -35,7 +35,8 @@ class RunConfig(_Section):
 
 class RayConfig(_Section):
     address: str = ""
-    num_cpus: int = 3
+    # Logical CPUs of the embedded Ray; "auto": what its actors ask for (scd.cluster).
+    num_cpus: int | Literal["auto"] = "auto"
 
 
 class DataPlaneConfig(_Section):
@@ -75,7 +76,7 @@ class VLLMGenerationConfig(_Section):
     dtype: str = ""
     enforce_eager: bool = True
     max_num_seqs: int = 256
-    # Engines serving the run, each on devices of its own (generation.devices): a group goes whole to
+    # Engines serving the run, each on devices of its own (scd.cluster): a group goes whole to
     # the engine with the fewest outstanding tokens.
     engines: int = 1
     tensor_parallel_size: int = 1
@@ -249,16 +250,6 @@ class Config(_Section):
     checkpointing: CheckpointingConfig = msgspec.field(default_factory=CheckpointingConfig)
     telemetry: TelemetryConfig = msgspec.field(default_factory=TelemetryConfig)
 
-    def trainer_rank_resources(self) -> dict[str, float]:
-        """What each trainer rank asks Ray for: ``trainer.resources_per_rank``, or one device of its kind."""
-        tr = self.trainer
-        return dict(tr.resources_per_rank) or ({"GPU": 1.0} if tr.device.startswith("cuda") else {"CPU": 1.0})
-
-    def trainer_ray_gpus(self) -> int:
-        """GPUs an embedded Ray offers: the trainer ranks' (a trainer in scd's process needs none of Ray's)."""
-        tr = self.trainer
-        return int(self.trainer_rank_resources().get("GPU", 0) * tr.world_size) if tr.world_size > 1 else 0
-
     def window_capacity_groups(self) -> int:
         """Groups a train step can still take from those admitted now before they leave the staleness
         window: one step's worth for each weight version in it."""
@@ -410,13 +401,8 @@ def validate(config: Config) -> None:
     _require(dp.startup_timeout_s > 0, "data_plane.startup_timeout_s", "must be > 0")
     _require(bool(dp.partition) and "/" not in dp.partition, "data_plane.partition",
              "must be a non-empty name without '/'")
-    if not dp.ray.address:
-        rank_cpus = config.trainer_rank_resources().get("CPU", 0) * tr.world_size if tr.world_size > 1 else 0
-        needed = 1 + dp.storage_units + rank_cpus
-        _require(dp.ray.num_cpus >= needed, "data_plane.ray.num_cpus",
-                 f"TransferQueue's controller and {dp.storage_units} storage unit(s) each need one "
-                 f"logical Ray CPU" + (f", the {tr.world_size} trainer ranks {rank_cpus:g}" if rank_cpus else "")
-                 + f": set it to at least {needed:g}, got {dp.ray.num_cpus}")
+    _require(dp.ray.num_cpus == "auto" or dp.ray.num_cpus >= 1, "data_plane.ray.num_cpus",
+             f'must be >= 1 or "auto", got {dp.ray.num_cpus}')
     _require(gen.group_size >= 2, "generation.group_size",
              f"GRPO needs at least 2 completions per prompt, got {gen.group_size}")
     _require(gen.max_new_tokens >= 1, "generation.max_new_tokens", "must be >= 1")

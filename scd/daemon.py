@@ -40,6 +40,7 @@ from scd import faults, systemd
 from scd.barrier import CheckpointBarrier, MutationKind
 from scd.checkpoint.checkpointer import Checkpointer
 from scd.checkpoint.restore import RestoreParts, RestoreReport, restore_state
+from scd.cluster import Cluster
 from scd.config import Config
 from scd.dataplane import DataPlane
 from scd.generation import open_backend
@@ -129,9 +130,10 @@ class Controller:
         prompts = build_task(config.task)
         for prompt in prompts:
             policy.check_text(prompt.text + prompt.answer, f"prompt {prompt.prompt_id}")
-        async with DataPlane.open(config.data_plane, config.trainer_ray_gpus()) as dataplane:
+        async with Cluster.open(config) as cluster, DataPlane.open(config.data_plane) as dataplane:
             if config.checkpointing.enabled:
-                await dataplane.require_shared_directory(Path(config.checkpointing.dir), "checkpointing.dir")
+                await cluster.require_shared_directory(Path(config.checkpointing.dir), "checkpointing.dir",
+                                                       dataplane.placement.storage_units)
             owned = backend is None
             serving = await open_backend(config, policy) if backend is None else backend
             try:

@@ -37,20 +37,10 @@ restore clears them.
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
-import shutil
-import signal
 import struct
-import subprocess
-import sys
-import tempfile
-import threading
-import time
-import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from concurrent.futures import Future
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -60,7 +50,8 @@ import anyio
 import numpy as np
 import torch
 
-from scd import faults, reaper
+from scd import faults
+from scd.cluster import bounded_thread
 from scd.config import DataPlaneConfig
 from scd.errors import ConfigError, DataPlaneError, InvariantViolation, ShortRead
 from scd.records import Completion, FinishReason, Rollout
@@ -72,10 +63,6 @@ T = TypeVar("T")
 # TQ calls torch.set_num_threads(TQ_NUM_THREADS) around every put/get, process-wide.
 # Pin it to what training uses so TQ traffic does not re-thread the trainer.
 os.environ.setdefault("TQ_NUM_THREADS", "1")
-# Ray's core worker otherwise installs absl's failure-signal handler in this process, which
-# turns the SIGTERM we drain on into an abort.
-os.environ.setdefault("RAY_DISABLE_FAILURE_SIGNAL_HANDLER", "1")
-
 
 
 @dataclass(slots=True)
@@ -114,93 +101,6 @@ def check_layout(config: DataPlaneConfig, running: Any) -> Placement:
                      storage_units=sorted(info.ip for info in storage.zmq_info.values()))
 
 
-class EmbeddedRay:
-    """This process's private Ray (``data_plane.ray.address`` empty), gone with this process however it ends.
-
-    A temp directory of its own gives it its own session, sockets and port files: nothing a dead
-    scd's Ray left is read or reused.  Two things make it die with scd:
-
-    - ``ray.init`` runs on a thread that lives until ``stop``.  Ray starts its GCS and raylet with
-      PR_SET_PDEATHSIG, which the kernel fires when the *thread* that started them exits: anyio's
-      pool retires a thread idle for 10 s, and the GCS of a running scd died with it ("Failed to
-      connect to GCS").
-    - ``scd.reaper``, watching this process from before Ray starts, kills every process this Ray
-      started (those holding files open in its temp directory) once this process exits, or when
-      ``stop`` asks it to.
-    """
-
-    def __init__(self, temp_dir: str, reaper_process: subprocess.Popen[bytes]) -> None:
-        self.temp_dir = temp_dir
-        self._reaper = reaper_process
-        self._reaper_watching = False
-        self._release_host = threading.Event()
-
-    @classmethod
-    async def start(cls, config: DataPlaneConfig, num_gpus: int) -> EmbeddedRay:
-        temp_dir = tempfile.mkdtemp(prefix="scd-ray-")
-        embedded = cls(temp_dir, subprocess.Popen(
-            [sys.executable, "-m", "scd.reaper", str(os.getpid()), temp_dir],
-            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, start_new_session=True))
-        try:
-            await embedded._wait_for_reaper(config.startup_timeout_s)
-            started = embedded._init_on_host_thread(config.ray.num_cpus, num_gpus)
-            await _bounded_thread(config.startup_timeout_s, "ray.init", started.result)
-        except BaseException:
-            with anyio.CancelScope(shield=True):
-                await embedded.stop(config.call_timeout_s)
-            raise
-        return embedded
-
-    async def _wait_for_reaper(self, timeout_s: float) -> None:
-        assert self._reaper.stdout is not None
-        said = await _bounded_thread(timeout_s, "the start of scd's Ray reaper", self._reaper.stdout.readline)
-        if said != reaper.READY:
-            status = await _bounded_thread(timeout_s, "scd's Ray reaper", self._reaper.wait, swallow=True)
-            raise DataPlaneError(f"scd's Ray reaper (python -m scd.reaper) did not start (exit status {status}; "
-                                 "its error is above). scd will not start a Ray that a crash would leak; set "
-                                 "data_plane.ray.address to use a Ray cluster instead")
-        self._reaper_watching = True
-
-    def _init_on_host_thread(self, num_cpus: int, num_gpus: int) -> Future[None]:
-        import ray
-
-        started: Future[None] = Future()
-
-        def host() -> None:
-            try:
-                # address="local": without it ray.init joins any cluster this machine runs (`ray start`),
-                # which the empty data_plane.ray.address does not ask for.
-                # TQ's actors bind their zmq sockets (pickled messages) to Ray's node IP.  Ray rewrites
-                # 127.0.0.1 to the host's network address (so TQ listened on the network); 127.0.0.2
-                # is loopback and is kept as it is.
-                # num_gpus: the trainer ranks' GPUs, the first of those visible; vLLM's engines take the rest.
-                ray.init(address="local", num_cpus=num_cpus, num_gpus=num_gpus, include_dashboard=False,
-                         log_to_driver=False,
-                         _node_ip_address="127.0.0.2", _temp_dir=self.temp_dir, logging_level=logging.WARNING)
-            except BaseException as exc:
-                started.set_exception(exc)
-                return
-            started.set_result(None)
-            self._release_host.wait()
-
-        threading.Thread(target=host, name="scd-embedded-ray", daemon=True).start()
-        return started
-
-    async def stop(self, timeout_s: float) -> None:
-        """After ``ray.shutdown``: end the thread that started Ray, and have the reaper kill what is left."""
-        self._release_host.set()
-        if self._reaper_watching:
-            # It sweeps, removes the temp directory and exits.
-            self._reaper.send_signal(signal.SIGUSR1)
-        else:
-            # Ray was never started: nothing to sweep.
-            self._reaper.kill()
-            shutil.rmtree(self.temp_dir, ignore_errors=True)
-        await _bounded_thread(timeout_s, "scd's Ray reaper", self._reaper.wait, swallow=True)
-        assert self._reaper.stdout is not None
-        self._reaper.stdout.close()
-
-
 class DataPlane:
     def __init__(self, config: DataPlaneConfig) -> None:
         self.config = config
@@ -215,30 +115,21 @@ class DataPlane:
 
     @classmethod
     @asynccontextmanager
-    async def open(cls, config: DataPlaneConfig, trainer_gpus: int = 0) -> AsyncIterator[DataPlane]:
-        """Start (or join) Ray, start (or attach to) TQ; tear down only what this process started."""
+    async def open(cls, config: DataPlaneConfig) -> AsyncIterator[DataPlane]:
+        """Start (or attach to) TQ on the Ray this process runs (``scd.cluster``); close only a TQ it started."""
         import ray
         import transfer_queue as tq
         from transfer_queue import interface as tq_interface
 
-        started_ray = False
-        embedded: EmbeddedRay | None = None
-        if not ray.is_initialized():
-            if config.ray.address:
-                await _bounded_thread(config.startup_timeout_s, "ray.init",
-                                      lambda: ray.init(address=config.ray.address, log_to_driver=False))
-            else:
-                embedded = await EmbeddedRay.start(config, trainer_gpus)
-            started_ray = True
         conf = {"backend": {"SimpleStorage": {"num_data_storage_units": config.storage_units,
                                               "required_node_resource": config.required_node_resource or None}}}
         attached_already = tq_interface._TQ_CLIENT is not None
         owns_tq = False
         try:
-            await _bounded_thread(config.startup_timeout_s, "tq.init", lambda: tq.init(conf))
+            await bounded_thread(config.startup_timeout_s, "tq.init", lambda: tq.init(conf))
             # tq.close() kills the controller even from a process that merely attached: close only ours.
             owns_tq = not attached_already and tq_interface._TQ_STORAGE is not None
-            running = await _bounded_thread(config.startup_timeout_s, "TQ's config", lambda: ray.get(
+            running = await bounded_thread(config.startup_timeout_s, "TQ's config", lambda: ray.get(
                 tq_interface._TQ_CONTROLLER.get_config.remote()))
             dataplane = cls(config)
             dataplane.placement = check_layout(config, running)
@@ -246,13 +137,9 @@ class DataPlane:
                      ", ".join(dataplane.placement.storage_units))
             yield dataplane
         finally:
-            with anyio.CancelScope(shield=True):
-                if owns_tq:
-                    await _bounded_thread(config.call_timeout_s, "tq.close", tq.close, swallow=True)
-                if started_ray:
-                    await _bounded_thread(config.call_timeout_s, "ray.shutdown", ray.shutdown, swallow=True)
-                if embedded is not None:
-                    await embedded.stop(config.call_timeout_s)
+            if owns_tq:
+                with anyio.CancelScope(shield=True):
+                    await bounded_thread(config.call_timeout_s, "tq.close", tq.close, swallow=True)
 
     async def _call(self, what: str, fn: Callable[[], Awaitable[T]]) -> T:
         self.data_ops += 1
@@ -267,57 +154,15 @@ class DataPlane:
 
     async def _blocking(self, what: str, fn: Callable[[], Any]) -> None:
         try:
-            await _bounded_thread(self.config.call_timeout_s, what, fn)
+            await bounded_thread(self.config.call_timeout_s, what, fn)
         except DataPlaneError as exc:
             self.last_call_timed_out = True
             raise DataPlaneError(f"{exc} {self._where()}") from None
         self.last_call_timed_out = False
 
-    async def _probe(self, directory: Path, ip: str, node_id: str) -> str:
-        """Why a file written into ``directory`` on node ``node_id`` is not seen here, or ""."""
-        import ray
-        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-        probe, token = directory / f".scd-probe-{uuid.uuid4().hex}", uuid.uuid4().hex
-        task = _write_probe_task().options(scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False))
-        try:
-            await _bounded_thread(self.config.startup_timeout_s, f"the probe of {directory} on node {ip}",
-                                  lambda: ray.get(task.remote(str(probe), token)))
-        except ray.exceptions.RayTaskError as exc:
-            return f"writing a file there failed ({exc.cause!r})"
-        try:
-            seen = probe.read_text() if probe.exists() else None
-        finally:
-            probe.unlink(missing_ok=True)
-        return "" if seen == token else "a file written there is not visible here"
-
     def _where(self) -> str:
         return (f"(its controller runs on node {self.placement.controller}, its storage units on "
                 f"{', '.join(sorted(set(self.placement.storage_units)))})")
-
-    async def require_shared_directory(self, directory: Path, key: str) -> None:
-        """``directory`` must be the same storage on every node that hosts a storage unit.
-
-        TQ's save writes each unit's shard on that unit's node, into the bundle being
-        written here.  Proven, not assumed: a Ray task on each such node other than this
-        one writes a probe file there, which this process must read back.
-        """
-        import ray
-
-        here = ray.get_runtime_context().get_node_id()
-        node_of = {n["NodeManagerAddress"]: n["NodeID"] for n in ray.nodes() if n["Alive"]}
-        remote = sorted({ip for ip in self.placement.storage_units if node_of.get(ip) != here})
-        if not remote:
-            return
-        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-        for ip in remote:
-            problem = await self._probe(directory, ip, node_of[ip])
-            if problem:
-                raise ConfigError(key, f"{directory} is not the same storage on node {ip}, which hosts a TQ "
-                                       f"storage unit: {problem}. TQ's save writes each unit's shard on its own "
-                                       f"node: mount {directory} from shared storage on every node that hosts "
-                                       "a storage unit")
-        log.info("checkpoint directory %s is shared with the storage nodes %s", directory, ", ".join(remote))
 
     async def put_group(self, key: str, rows: Sequence[Rollout]) -> None:
         """Store one group's rows under its key (the group id)."""
@@ -521,20 +366,6 @@ def decode_sibling(raw: bytes) -> tuple[list[int], list[float], FinishReason]:
     return ids, logprobs, _FINISH_CODES[finish]
 
 
-@functools.cache
-def _write_probe_task() -> Any:
-    import ray
-
-    @ray.remote(num_cpus=0)
-    def write_probe(path: str, token: str) -> None:
-        with open(path, "w") as f:
-            f.write(token)
-            f.flush()
-            os.fsync(f.fileno())
-
-    return write_probe
-
-
 async def call_within(timeout_s: float, fn: Callable[[], Awaitable[T]]) -> T:
     """``await fn()``, or TimeoutError once ``timeout_s`` has passed.
 
@@ -554,22 +385,3 @@ async def call_within(timeout_s: float, fn: Callable[[], Awaitable[T]]) -> T:
         if not deadline.cancel_called:
             raise
     raise TimeoutError(f"no answer within {timeout_s}s")
-
-
-async def _bounded_thread(timeout_s: float, what: str, fn: Callable[[], T], swallow: bool = False) -> T | None:
-    """Run a blocking TQ/Ray call in a worker thread, abandoned (and reported) past ``timeout_s``."""
-    start = time.monotonic()
-    try:
-        with anyio.fail_after(timeout_s):
-            return await anyio.to_thread.run_sync(fn, abandon_on_cancel=True)
-    except TimeoutError:
-        if swallow:
-            log.warning("%s did not finish within %.0fs", what, timeout_s)
-            return None
-        raise DataPlaneError(f"{what} timed out after {time.monotonic() - start:.1f}s; "
-                             "is TQ (Ray) alive?") from None
-    except Exception as exc:
-        if swallow:
-            log.warning("%s failed: %s", what, exc)
-            return None
-        raise

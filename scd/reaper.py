@@ -30,6 +30,7 @@ import signal
 import sys
 import time
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 
 READY = b"READY\n"
 # Once the GCS and raylet are gone nothing starts new Ray processes, so a few rounds empty the
@@ -98,18 +99,58 @@ def sweep(directory: str, spared: set[int]) -> list[str]:
     return [f"{name} ({pid})" for pid, name in killed.items()]
 
 
-def open_parent_pidfd(owner: int) -> int | None:
-    """A pidfd for ``owner``, this process's parent (readable once it exits), or None when it has exited
-    already."""
+def _parent_of(pid: int) -> int:
     try:
-        owner_fd = os.pidfd_open(owner)
-    except ProcessLookupError:
-        return None
-    if os.getppid() != owner:
-        # The owner died before its pidfd was opened; the pid may name another process now.
-        os.close(owner_fd)
-        return None
-    return owner_fd
+        with open(f"/proc/{pid}/stat") as f:
+            # The command name may hold spaces and parentheses: the fields after the last ')' are fixed.
+            return int(f.read().rpartition(")")[2].split()[1])
+    except (OSError, IndexError, ValueError):
+        return 0
+
+
+@dataclass(frozen=True, slots=True)
+class Lineage:
+    """This process's ancestry up to ``owner`` (scd), as the processes that die with scd watch it."""
+
+    # The processes between ``owner`` and this one, this one's parent first (a vLLM engine core, say).
+    between: tuple[int, ...]
+    # pidfds of ``owner`` and then of each of ``between``, each readable once its process exits; none when
+    # ``owner`` is no ancestor of this process any more (it exited: its pid may name another process now).
+    pidfds: tuple[int, ...]
+
+
+def open_lineage(owner: int, max_between: int = 8) -> Lineage:
+    """The pidfds to watch so as to die with ``owner``: the one mechanism of the reaper, the engines' workers
+    (``scd.generation.weight_transfer``) and the trackers (``scd.telemetry.tracker_process``)."""
+    between: list[int] = []
+    pid = os.getppid()
+    while pid not in (owner, 0, 1) and len(between) < max_between:
+        between.append(pid)
+        pid = _parent_of(pid)
+    if pid != owner:
+        return Lineage(tuple(between), ())
+    pidfds: list[int] = []
+    try:
+        for p in (owner, *between):
+            pidfds.append(os.pidfd_open(p))
+        # Walk again now that the pidfds pin processes: one that exited before its pidfd was opened broke the
+        # chain, and its pid may name another process now.
+        intact = [os.getppid(), *map(_parent_of, between)] == [*between, owner]
+    except OSError:  # one of them has exited already
+        intact = False
+    if not intact:
+        for fd in pidfds:
+            os.close(fd)
+        return Lineage(tuple(between), ())
+    return Lineage(tuple(between), tuple(pidfds))
+
+
+def wait_readable(fds: Sequence[int]) -> set[int]:
+    """Block until one of ``fds`` is readable (a pidfd is once its process exits); those that are."""
+    poller = select.poll()
+    for fd in fds:
+        poller.register(fd, select.POLLIN)
+    return {fd for fd, _ in poller.poll()}
 
 
 def watch(owner: int) -> str:
@@ -119,16 +160,12 @@ def watch(owner: int) -> str:
     signal.set_wakeup_fd(wake_write)
     # A handler, not SIG_IGN: only a handled signal reaches the wakeup fd.
     signal.signal(signal.SIGUSR1, lambda *_: None)
-    owner_fd = open_parent_pidfd(owner)
-    if owner_fd is None:
+    lineage = open_lineage(owner)
+    if not lineage.pidfds:
         return "exited"
     sys.stdout.buffer.write(READY)
     sys.stdout.buffer.flush()
-    poller = select.poll()
-    poller.register(owner_fd, select.POLLIN)
-    poller.register(wake_read, select.POLLIN)
-    ready = {fd for fd, _ in poller.poll()}
-    return "exited" if owner_fd in ready else "asked"
+    return "asked" if wait_readable([*lineage.pidfds, wake_read]) == {wake_read} else "exited"
 
 
 def main(argv: Sequence[str]) -> int:

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 from pathlib import Path
 
 import pytest
 
-from scd.config import load_config, parse_config
+from scd.cluster import plan_devices
+from scd.config import derive_config, load_config, parse_config
 from scd.errors import ConfigError
 from tests.conftest import REPO, SCD
 
@@ -16,7 +18,6 @@ BAD_CONFIGS = [
     ("[generation]\ngroup_size = 1\n", "generation.group_size"),
     ("[generation]\ngroup_size = 'eight'\n", "generation.group_size"),
     ("[async_rl.sampler]\nmax_staleness_versions = -1\n", "async_rl.sampler.max_staleness_versions"),
-    ("[data_plane]\nstorage_units = 2\n[data_plane.ray]\nnum_cpus = 2\n", "data_plane.ray.num_cpus"),
     ("[async_rl.sampler]\nname = 'lifo'\n", "async_rl.sampler.name"),
     ("[checkpointing]\nkeep_last = 1\n", "checkpointing.keep_last"),
     ("[trainer]\nclip_eps = 1.5\n", "trainer.clip_eps"),
@@ -30,10 +31,10 @@ BAD_CONFIGS = [
     ("[generation]\nbatch_groups = 4\n", "generation.batch_groups"),
     ("[trainer]\nworld_size = 0\n", "trainer.world_size"),
     ("[trainer]\nworld_size = 4\ngroups_per_step = 2\n[data_plane.ray]\nnum_cpus = 8\n", "trainer.groups_per_step"),
-    ("[trainer]\nworld_size = 2\n", "data_plane.ray.num_cpus"),  # TQ's 2 CPUs and 2 ranks' do not fit in 3
     ("[trainer]\nworld_size = 2\nparam_dtype = 'bfloat16'\n[data_plane.ray]\nnum_cpus = 5\n", "trainer.param_dtype"),
     ("[trainer]\nactivation_checkpointing = true\n", "trainer.activation_checkpointing"),
     ("[trainer]\nresources_per_rank = {CPU = 0}\n", "trainer.resources_per_rank"),
+    ("[data_plane.ray]\nnum_cpus = 0\n", "data_plane.ray.num_cpus"),
     ("[checkpointing]\ninterval_s = 'often'\n", "checkpointing.interval_s"),
     ("[checkpointing]\ninterval_s = 'auto'\nmin_interval_s = 600\nmax_interval_s = 60\n",
      "checkpointing.min_interval_s"),
@@ -58,6 +59,67 @@ def test_scd_run_exits_2_naming_the_key(tmp_path: Path, text: str, key: str) -> 
     assert proc.returncode == 2, proc.stderr
     assert key in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+# An explicit data_plane.ray.num_cpus below what the embedded Ray's actors ask for: the device plan refuses it.
+RAY_CPUS_TOO_FEW = [
+    ("[data_plane]\nstorage_units = 2\n[data_plane.ray]\nnum_cpus = 2\n", 3),  # TQ's controller and 2 units
+    ("[trainer]\nworld_size = 2\n[data_plane.ray]\nnum_cpus = 3\n", 4),  # TQ's 2 CPUs and 2 ranks' do not fit in 3
+]
+
+
+@pytest.mark.parametrize(("text", "needed"), RAY_CPUS_TOO_FEW)
+def test_too_few_ray_cpus_name_the_key_and_what_is_needed(tmp_path: Path, text: str, needed: int) -> None:
+    path = tmp_path / "bad.toml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as info:
+        plan_devices(load_config(path))
+    assert info.value.key == "data_plane.ray.num_cpus"
+    assert "'data_plane.ray.num_cpus'" in str(info.value)
+    assert f"set it to at least {needed}," in str(info.value)
+
+
+def test_scd_run_exits_2_for_too_few_ray_cpus_before_ray_starts(tmp_path: Path) -> None:
+    path = tmp_path / "bad.toml"
+    path.write_text(RAY_CPUS_TOO_FEW[1][0])
+    proc = subprocess.run([*SCD, "run", str(path)], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    assert "data_plane.ray.num_cpus" in proc.stderr and "at least 4" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize(("sections", "cpus"), [
+    ({}, 2),  # TQ's controller and its one storage unit
+    ({"data_plane": {"storage_units": 3}}, 4),
+    ({"trainer": {"world_size": 2, "groups_per_step": 2}}, 4),  # and a CPU per rank
+    ({"trainer": {"world_size": 4, "groups_per_step": 4}, "data_plane": {"storage_units": 2}}, 7),
+    ({"trainer": {"world_size": 2, "resources_per_rank": {"CPU": 1.5}}}, 5),  # 3 CPUs of ranks
+    ({"trainer": {"world_size": 2, "resources_per_rank": {"CPU": 0.25}}}, 3),  # half a CPU in all: rounded up to one
+    ({"data_plane": {"ray": {"num_cpus": 7}}}, 7),  # an explicit value that covers them wins
+])
+def test_the_embedded_rays_cpus_are_what_tq_and_the_trainer_ranks_ask_for(
+        tmp_path: Path, sections: dict[str, dict[str, object]], cpus: int) -> None:
+    assert plan_devices(parse_config(sections, tmp_path)).ray_cpus == cpus
+
+
+def test_a_joined_ray_is_not_held_to_the_embedded_count(tmp_path: Path) -> None:
+    config = parse_config({"trainer": {"world_size": 2}, "data_plane": {"ray": {"address": "127.0.0.2:6379",
+                                                                                "num_cpus": 1}}}, tmp_path)
+    assert plan_devices(config).ray_cpus == 1
+
+
+def test_the_shipped_vllm_config_plans_two_trainer_ranks_with_world_size_2_alone() -> None:
+    """The vLLM engines run outside Ray: they take cores of their own, not Ray's CPUs."""
+    shipped = REPO / "configs" / "vllm-cpu.toml"
+    one, two = derive_config(shipped), derive_config(shipped, {"trainer": {"world_size": 2}})
+    assert one.data_plane.ray.num_cpus == two.data_plane.ray.num_cpus == "auto"
+    assert plan_devices(one).ray_cpus == 2
+    plan = plan_devices(two)
+    assert plan.ray_cpus == 4 and plan.rank_resources == {"CPU": 1.0} and plan.ray_gpus == 0
+    assert [e.index for e in plan.engines] == [0] and plan.engines == plan_devices(one).engines
+    if len(os.sched_getaffinity(0)) >= 2:
+        two_engines = derive_config(shipped, {"trainer": {"world_size": 2}, "generation": {"vllm": {"engines": 2}}})
+        assert plan_devices(two_engines).ray_cpus == 4 and len(plan_devices(two_engines).engines) == 2
 
 
 def test_paths_resolve_against_the_config_directory(tmp_path: Path) -> None:

@@ -13,7 +13,7 @@ PACKAGE = REPO / "scd"
 LAYERS: dict[str, int] = {
     "config": 1, "errors": 1, "records": 1, "tasks": 1, "faults": 1,
     "ledger": 2, "replay": 2, "skew": 2, "samplers": 2, "dataloader": 2, "barrier": 2, "schema": 2, "state": 2,
-    "dataplane": 3, "training": 3, "generation": 3, "telemetry": 3, "systemd": 3, "reaper": 3,
+    "cluster": 3, "dataplane": 3, "training": 3, "generation": 3, "telemetry": 3, "systemd": 3, "reaper": 3,
     "rollouts": 4, "goodput": 4, "risk": 4,
     "checkpoint": 5,
     "daemon": 6,

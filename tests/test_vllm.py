@@ -268,7 +268,7 @@ def test_vllm_with_two_trainer_ranks_checkpoints_is_killed_restores_and_trains_o
                              async_rl={"sampler.max_staleness_versions": 0},
                              task={"min_digits": 24, "max_digits": 24},
                              generation={"group_size": 8, "max_new_tokens": 24},
-                             trainer={"groups_per_step": 8, "world_size": 2}, data_plane={"ray.num_cpus": 5})
+                             trainer={"groups_per_step": 8, "world_size": 2})
     root = tmp_path / "out" / "checkpoints"
     first = ScdProcess(config)
     scd_processes.append(first)

@@ -60,10 +60,10 @@ import anyio
 import torch
 
 from scd import faults
+from scd.cluster import EngineDevices, plan_engine_devices
 from scd.config import Config
 from scd.errors import ConfigError, ScdError
 from scd.generation.base import BusyClock, EngineActivity, GroupRequest, GroupResult, SiblingSink
-from scd.generation.devices import EngineDevices, plan_engine_devices
 from scd.records import COMPLETE, Completion, FinishReason, PartialSibling, Prefix
 from scd.telemetry import metrics
 from scd.training.policy import Policy

@@ -33,9 +33,9 @@ The wire, the same code for gloo (CPU) and NCCL (between GPUs):
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
-import select
 import signal
 import socket
 import threading
@@ -53,6 +53,7 @@ from vllm.distributed.weight_transfer.base import (
 )
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
+from scd import reaper
 from scd.training.export import ChunkedWeights, unaliased
 
 log = logging.getLogger(__name__)
@@ -437,15 +438,6 @@ class ScdWorkerExtension:
 
 # ---- an engine dies with scd -------------------------------------------------------------------
 
-def _parent_of(pid: int) -> int:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            # The command name may hold spaces and parentheses: the fields after the last ')' are fixed.
-            return int(f.read().rpartition(")")[2].split()[1])
-    except (OSError, IndexError, ValueError):
-        return 0
-
-
 def _die_with_scd() -> None:
     """In a vLLM worker that scd started: when scd, or the engine core between them, exits (however it
     exits), SIGKILL the engine core and this worker.  Nothing of vLLM's ties the engine core to scd: after a
@@ -454,24 +446,17 @@ def _die_with_scd() -> None:
     owner = int(os.environ.get(OWNER_ENV) or 0)
     if owner <= 0 or owner == os.getpid():
         return  # not started by scd as an engine, or scd itself
-    between: list[int] = []
-    pid = os.getppid()
-    while pid not in (owner, 0, 1) and len(between) < 8:
-        between.append(pid)
-        pid = _parent_of(pid)
-    try:
-        if pid != owner:
-            raise ProcessLookupError(owner)  # scd is gone already: its pid is no ancestor any more
-        owner_fd, *between_fds = [os.pidfd_open(p) for p in (owner, *between)]
-    except OSError:
-        for p in between:
-            os.kill(p, signal.SIGKILL)
+    lineage = reaper.open_lineage(owner)
+    if not lineage.pidfds:  # scd is gone already
+        for p in lineage.between:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p, signal.SIGKILL)
         os.kill(os.getpid(), signal.SIGKILL)
         return
 
     def watch() -> None:
-        select.select([owner_fd, *between_fds], [], [])  # a pidfd turns readable when its process exits
-        for fd in between_fds:
+        reaper.wait_readable(lineage.pidfds)
+        for fd in lineage.pidfds[1:]:
             try:
                 signal.pidfd_send_signal(fd, signal.SIGKILL)
             except ProcessLookupError:

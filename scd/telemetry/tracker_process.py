@@ -24,7 +24,6 @@ from __future__ import annotations
 import importlib
 import os
 import queue
-import select
 import sys
 import threading
 import traceback
@@ -108,9 +107,9 @@ def serve(name: str, telemetry: TelemetryConfig, mark_dir: Path, lines: queue.Qu
 
 
 def watch_parent(parent: int, closing: Closing) -> None:
-    parent_fd = reaper.open_parent_pidfd(parent)
-    if parent_fd is not None:
-        select.select([parent_fd], [], [])  # readable once scd has exited
+    lineage = reaper.open_lineage(parent)
+    if lineage.pidfds:
+        reaper.wait_readable(lineage.pidfds)  # until scd has exited
     closing.start()
 
 

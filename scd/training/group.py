@@ -1,7 +1,7 @@
 """The trainer as ``trainer.world_size`` ranks on Ray, each a ``GRPOTrainer`` sharded with FSDP2.
 
-The ranks are Ray actors in one placement group (one bundle of ``trainer.resources_per_rank``
-each, packed onto as few nodes as the cluster allows), on the Ray that scd already runs TQ on.
+The ranks are Ray actors in the placement group ``scd.cluster`` asks for (one bundle of
+``trainer.resources_per_rank`` each), on the Ray that scd already runs TQ on.
 Rank 0 picks the rendezvous address: a free port on its node's address, loopback on one machine.
 
 A step sends each rank whole groups (``shard_groups``) and the step's token count: every rank
@@ -31,8 +31,9 @@ from typing import Any
 
 import anyio
 
+from scd.cluster import place_trainer_ranks
 from scd.config import Config
-from scd.errors import ConfigError, ScdError
+from scd.errors import ScdError
 from scd.records import Rollout
 from scd.telemetry import metrics
 from scd.training.base import StepResult, Trainer, TrainerStatistics
@@ -223,49 +224,27 @@ class TrainerGroup:
     async def open(cls, config: Config) -> AsyncIterator[TrainerGroup]:
         """Place, start and connect the ranks; they are killed (and their placement freed) on exit."""
         import ray
-        from ray.util.placement_group import placement_group, remove_placement_group
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         world = config.trainer.world_size
-        asked = config.trainer_rank_resources()
-        placement = placement_group([asked] * world, strategy="PACK")
         ranks: list[Any] = []
-        try:
-            await cls._wait_for_placement(config, placement, asked)
-            rank_class = _rank_actor()
-            for rank in range(world):
-                ranks.append(rank_class.options(
-                    num_cpus=asked.get("CPU", 0), num_gpus=asked.get("GPU", 0),
-                    resources={k: v for k, v in asked.items() if k not in ("CPU", "GPU")},
-                    scheduling_strategy=PlacementGroupSchedulingStrategy(placement, placement_group_bundle_index=rank),
-                ).remote(config, rank, world))
-            places = [RankPlace(rank, "(starting)", 0) for rank in range(world)]
-            located = await anyio.to_thread.run_sync(wait_all, [r.place.remote() for r in ranks], places, "starting")
-            places = [RankPlace(rank, ip, pid) for rank, (ip, pid) in enumerate(located)]
-            [(host, port)] = await anyio.to_thread.run_sync(
-                wait_all, [ranks[0].rendezvous_address.remote()], places, "choosing the rendezvous address")
-            entries = (await anyio.to_thread.run_sync(
-                wait_all, [r.setup.remote(host, port) for r in ranks], places, "joining the process group"))[0]
-            log.info("trainer: %d ranks (%s), rendezvous %s:%d", world, "; ".join(map(str, places)), host, port)
-            yield cls(config, ranks, places, entries)
-        finally:
-            for rank_actor in ranks:
-                ray.kill(rank_actor, no_restart=True)
-            remove_placement_group(placement)
-
-    @staticmethod
-    async def _wait_for_placement(config: Config, placement: Any, asked: dict[str, float]) -> None:
-        import ray
-
-        timeout_s = config.trainer.placement_timeout_s
-        ready = await anyio.to_thread.run_sync(lambda: placement.wait(timeout_seconds=timeout_s))
-        if not ready:
-            total, free = ray.cluster_resources(), ray.available_resources()
-            raise ConfigError("trainer.world_size", (
-                f"{config.trainer.world_size} ranks of {asked} (trainer.resources_per_rank) could not be placed "
-                f"within trainer.placement_timeout_s = {timeout_s:g}s; the cluster has "
-                f"{ {k: v for k, v in total.items() if not k.startswith('node:')} }, free "
-                f"{ {k: v for k, v in free.items() if not k.startswith('node:')} }"))
+        async with place_trainer_ranks(config) as rank_options:
+            try:
+                rank_class = _rank_actor()
+                for rank, options in enumerate(rank_options):
+                    ranks.append(rank_class.options(**options).remote(config, rank, world))
+                places = [RankPlace(rank, "(starting)", 0) for rank in range(world)]
+                located = await anyio.to_thread.run_sync(wait_all, [r.place.remote() for r in ranks], places,
+                                                         "starting")
+                places = [RankPlace(rank, ip, pid) for rank, (ip, pid) in enumerate(located)]
+                [(host, port)] = await anyio.to_thread.run_sync(
+                    wait_all, [ranks[0].rendezvous_address.remote()], places, "choosing the rendezvous address")
+                entries = (await anyio.to_thread.run_sync(
+                    wait_all, [r.setup.remote(host, port) for r in ranks], places, "joining the process group"))[0]
+                log.info("trainer: %d ranks (%s), rendezvous %s:%d", world, "; ".join(map(str, places)), host, port)
+                yield cls(config, ranks, places, entries)
+            finally:
+                for rank_actor in ranks:
+                    ray.kill(rank_actor, no_restart=True)
 
     def wait_all(self, refs: list[Any], what: str) -> list[Any]:
         return wait_all(refs, self.places, what)
