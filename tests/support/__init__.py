@@ -1,0 +1,1 @@
+"""Helpers tests share, through the public surfaces of scd's objects."""
