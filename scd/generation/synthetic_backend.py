@@ -30,6 +30,7 @@ from scd.config import Config
 from scd.generation.base import BusyClock, EngineActivity, GroupRequest, GroupResult, SiblingSink
 from scd.records import Completion, FinishReason, PartialSibling, Prefix
 from scd.telemetry import metrics
+from scd.training.policy import Policy
 
 
 @dataclass(slots=True)
@@ -101,6 +102,10 @@ class SyntheticBackend:
         self._busy_until = 0.0
         self._in_progress: list[_Batch] = []
         self._busy = BusyClock()
+
+    @classmethod
+    async def open(cls, config: Config, policy: Policy) -> SyntheticBackend:
+        return cls(config)  # no model: ``policy`` goes unused
 
     async def generate(self, requests: Sequence[GroupRequest], on_sibling: SiblingSink) -> list[GroupResult]:
         version = self._version

@@ -39,6 +39,11 @@ class TorchBackend:
         # Sampling and weight loads take turns on the one model, so a batch never mixes versions.
         self._limiter = anyio.CapacityLimiter(1)
 
+    @classmethod
+    async def open(cls, config: Config, policy: Policy) -> TorchBackend:
+        # Building the model takes a while: off the event loop.
+        return await anyio.to_thread.run_sync(cls, config, policy)
+
     async def generate(self, requests: Sequence[GroupRequest], on_sibling: SiblingSink) -> list[GroupResult]:
         # A batch's siblings finish together: nothing to report before it returns.
         return await anyio.to_thread.run_sync(self._generate_blocking, requests, limiter=self._limiter)
