@@ -31,6 +31,7 @@ from scd.config import Config, derive_config, parse_config
 from scd.daemon import Controller, Triggers
 from scd.errors import InvariantViolation
 from scd.generation.base import GroupRequest, GroupResult
+from scd.generation.tokens import TokenCounter
 from scd.generation.vllm_backend import VLLMBackend
 from scd.generation.vllm_engine import EngineFailed
 from scd.ledger import PromptState
@@ -496,9 +497,13 @@ async def test_generated_tokens_counts_every_token_returned_aborted_partial_outp
         engine: VLLMBackend, tiny_llama: Path, tmp_path: Path) -> None:
     policy = HFPolicy(vllm_config(tiny_llama, tmp_path).model)
     await engine.update_weights(state_copy(policy.build_model().eval()), 0)
-    counted, exported = engine.generated_tokens(), REGISTRY.get_sample_value("scd_generation_tokens_total") or 0.0
+    # Counted as the generation pump counts: each sibling reported, then the rest of each result.
+    tokens = TokenCounter()
+    counted = tokens.statistics().generated_tokens
+    exported = REGISTRY.get_sample_value("scd_generation_tokens_total") or 0.0
 
-    [complete] = await engine.generate([request(policy, "e0-p0", max_tokens=4)], ignore_siblings)
+    [complete] = await engine.generate([request(policy, "e0-p0", max_tokens=4)], tokens.counting(ignore_siblings))
+    tokens.result(complete)
     assert complete.incomplete_reason() == "" and tokens_in(complete) > 0
 
     # Aborted once the engine has generated a few tokens of it: what it returned by then counts too.
@@ -506,7 +511,7 @@ async def test_generated_tokens_counts_every_token_returned_aborted_partial_outp
 
     async def generate() -> None:
         results.extend(await engine.generate([request(policy, "e0-p1", max_tokens=58, text="1=")],
-                                             ignore_siblings))
+                                             tokens.counting(ignore_siblings)))
 
     async with anyio.create_task_group() as tg:
         tg.start_soon(generate)
@@ -518,10 +523,11 @@ async def test_generated_tokens_counts_every_token_returned_aborted_partial_outp
                 await anyio.sleep(0.001)
         assert await engine.abort_older_than(10_000) == 1
     [aborted] = results
+    tokens.result(aborted)
     assert "stale" in aborted.incomplete_reason()
     assert 0 < tokens_in(aborted) < 8 * 58  # partial: generated, then aborted
     returned = tokens_in(complete) + tokens_in(aborted)
-    assert engine.generated_tokens() - counted == returned
+    assert tokens.statistics().generated_tokens - counted == returned
     assert (REGISTRY.get_sample_value("scd_generation_tokens_total") or 0.0) - exported == returned
 
 

@@ -160,12 +160,9 @@ class GenerationBackend(Protocol):
         """Abort requests that started under a weight version below ``version``; returns how many."""
         ...
 
-    def generated_tokens(self) -> int:
-        """Cumulative tokens the backend has generated, monotonic across its lifetime."""
-        ...
-
     def engine_activity(self) -> Sequence[EngineActivity]:
-        """Each engine's busy time and generated tokens so far (their tokens add up to ``generated_tokens``)."""
+        """Each engine's busy time and generated tokens so far (the run's total is counted where the results
+        arrive: ``scd.generation.tokens``)."""
         ...
 
     async def aclose(self) -> None: ...

@@ -121,7 +121,6 @@ class VLLMBackend:
         self.max_concurrent_batches = config.generation.max_inflight_prompts
         self._weight_sync = WeightSync(config, self.engines)
         self._version = 0
-        self._tokens = 0
         self._sync_done: anyio.Event | None = None
         self._abort_reasons: dict[str, str] = {}
         self._live: dict[str, _Part] = {}  # request id -> the part it generates (for partial_siblings)
@@ -208,10 +207,6 @@ class VLLMBackend:
         finally:
             del self._live[request_id]
             engine.finished(request_id, budget - generated, generated)
-            # Counted as each request returns, aborted partial output included (it was generated);
-            # vLLM's own vllm:generation_tokens_total counts per engine step on the same /metrics.
-            metrics.generation_tokens.inc(generated)
-            self._tokens += generated
             part.aborted = self._abort_reasons.pop(request_id, "")
 
     def partial_siblings(self) -> list[PartialSibling]:
@@ -257,9 +252,6 @@ class VLLMBackend:
         metrics.weight_sync.labels(delivered).observe(time.monotonic() - started)
 
     # ---- observation and shutdown ----------------------------------------------------------------
-
-    def generated_tokens(self) -> int:
-        return self._tokens
 
     def engine_activity(self) -> list[EngineActivity]:
         return [engine.busy.activity(engine.label, engine.generated_tokens) for engine in self.engines]
