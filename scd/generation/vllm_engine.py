@@ -1,4 +1,4 @@
-"""One vLLM engine (``vllm.AsyncLLMEngine``, the v1 AsyncLLM) and what scd keeps of it; imported only when configured.
+"""One vLLM engine (``vllm.AsyncLLMEngine``, the v1 AsyncLLM) and what scd keeps of it.
 
 An engine starts in a worker thread (it loads the model and spawns the
 engine-core process), so signals, /metrics and the watchdog keep running.  It
