@@ -69,7 +69,7 @@ async def timed_run(config: Config, steps: int, probe: bool = False) -> dict[str
                 await anyio.sleep(0.01)
                 stalls.append(time.monotonic() - before - 0.01)
 
-        groups0, tokens0 = controller.state.committed_groups, controller.backend.generated_tokens()
+        groups0, tokens0 = controller.state.committed_groups, controller.tokens.statistics().generated_tokens
         started = time.monotonic()
         async with anyio.create_task_group() as tg:
             if probe:
@@ -80,7 +80,7 @@ async def timed_run(config: Config, steps: int, probe: bool = False) -> dict[str
         out = {
             "steps_per_s": steps / elapsed,
             "committed_groups_per_s": (controller.state.committed_groups - groups0) / elapsed,
-            "generated_tokens_per_s": (controller.backend.generated_tokens() - tokens0) / elapsed,
+            "generated_tokens_per_s": (controller.tokens.statistics().generated_tokens - tokens0) / elapsed,
         }
         if probe:
             out |= {"loop_stall_p50_ms": 1000 * statistics.median(stalls),
@@ -318,7 +318,7 @@ async def live_checkpoints(tmp: Path, groups: int = 10_000, seconds: float = 75.
 
         async def probe() -> None:
             while True:
-                samples.append((time.monotonic(), controller.backend.generated_tokens(),
+                samples.append((time.monotonic(), controller.tokens.statistics().generated_tokens,
                                 checkpointer.statistics().writing))
                 await anyio.sleep(0.02)
 

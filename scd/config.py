@@ -115,8 +115,15 @@ class SyntheticGenerationConfig(_Section):
     max_concurrent_batches: int = 4
 
 
+# Every generation backend's name and its config sub-table, ``[generation.<name>]`` (the GenerationConfig field of
+# that name); ``scd.generation.BACKENDS`` maps the same names to the backend classes.
+GENERATION_BACKENDS: dict[str, type[_Section]] = {
+    "torch": TorchGenerationConfig, "vllm": VLLMGenerationConfig, "synthetic": SyntheticGenerationConfig,
+}
+
+
 class GenerationConfig(_Section):
-    backend: Literal["torch", "vllm", "synthetic"] = "torch"
+    backend: str = "torch"  # a name in GENERATION_BACKENDS
     group_size: int = 8
     # A completion may use at most this many tokens (and no more than its answer has).
     max_new_tokens: int = 16
@@ -403,6 +410,8 @@ def validate(config: Config) -> None:
              "must be a non-empty name without '/'")
     _require(dp.ray.num_cpus == "auto" or dp.ray.num_cpus >= 1, "data_plane.ray.num_cpus",
              f'must be >= 1 or "auto", got {dp.ray.num_cpus}')
+    _require(gen.backend in GENERATION_BACKENDS, "generation.backend",
+             f"must be one of {', '.join(map(repr, GENERATION_BACKENDS))}, got {gen.backend!r}")
     _require(gen.group_size >= 2, "generation.group_size",
              f"GRPO needs at least 2 completions per prompt, got {gen.group_size}")
     _require(gen.max_new_tokens >= 1, "generation.max_new_tokens", "must be >= 1")

@@ -45,6 +45,7 @@ from scd.config import Config
 from scd.dataplane import DataPlane
 from scd.generation import open_backend
 from scd.generation.base import GenerationBackend, GroupRequest
+from scd.generation.tokens import TokenCounter
 from scd.goodput import GoodputMeter
 from scd.records import Rollout
 from scd.replay import GroupMeta, rollouts_of
@@ -96,7 +97,8 @@ class Controller:
         self.state = ControllerState(len(prompts), config.task.seed, build_sampler(config), dataplane,
                                      CheckpointBarrier(on_blocked=_observe_blocked_mutation))
         self.rollouts = Rollouts(config, self.state, policy, prompts, self._notify)
-        self.goodput = GoodputMeter(config, self.rollouts, backend)
+        self.tokens = TokenCounter()  # what the generation pump receives
+        self.goodput = GoodputMeter(config, self.rollouts, backend, self.tokens)
         self.events = EventLog.with_trackers(config.telemetry, Path(config.run.output_dir), lambda: self.state.run)
         self.checkpointer = (Checkpointer(config, self.events, self.state, dataplane, self.trainer, self.goodput.risk,
                                           self.rollouts, backend)
@@ -211,14 +213,16 @@ class Controller:
     async def generation_pump(self, requests: MemoryObjectReceiveStream[GroupRequest]) -> None:
         rollouts = self.rollouts
         limiter = anyio.CapacityLimiter(self.backend.max_concurrent_batches)
+        on_sibling = self.tokens.counting(rollouts.on_sibling)
 
         async def run_batch(batch: list[GroupRequest]) -> None:
             async with limiter:
                 started = time.time()
                 for req in batch:
                     metrics.group_admission_latency.observe(started - req.admitted_at)
-                results = await self.backend.generate(batch, rollouts.on_sibling)
+                results = await self.backend.generate(batch, on_sibling)
             for result in results:
+                self.tokens.result(result)
                 if not rollouts.gather(result) and not self._shutdown.is_set():
                     tg.start_soon(run_batch, [await rollouts.redispatch_aborted(result)], name="generate_batch")
 
@@ -285,7 +289,7 @@ class Controller:
                  state.committed_groups, staleness, len(state.replay))
         now, groups_done = time.monotonic(), state.committed_groups
         committed = self.rollouts.statistics().committed_tokens
-        tokens = self.backend.generated_tokens()
+        tokens = self.tokens.statistics().generated_tokens
         last_at, last_groups, last_committed, last_tokens = self._last_step_mark
         self._last_step_mark = (now, groups_done, committed, tokens)
         elapsed = max(now - last_at, 1e-9)
@@ -403,7 +407,7 @@ class Controller:
             await self.events.emit(
                 "sample", stats.trainer_step, weight_version=stats.weight_version, epoch=stats.epoch,
                 replay_groups=stats.replay_groups, replay_rows=stats.replay_rows, in_flight=stats.in_flight,
-                committed_groups=stats.committed_groups, generated_tokens=self.backend.generated_tokens(),
+                committed_groups=stats.committed_groups, generated_tokens=self.tokens.statistics().generated_tokens,
                 ledger=stats.ledger,
             )
 

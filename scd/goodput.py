@@ -35,6 +35,7 @@ from anyio.abc import TaskStatus
 
 from scd.config import Config
 from scd.generation.base import BusyClock, EngineActivity, GenerationBackend
+from scd.generation.tokens import TokenCounter
 from scd.replay import GroupMeta
 from scd.risk import WorkAtRisk
 from scd.rollouts import Rollouts
@@ -87,7 +88,7 @@ class GoodputReading:
 class GoodputMeter:
     """Samples the backend's engines, the rollouts' waste and the trainer's steps; publishes the gauges."""
 
-    def __init__(self, config: Config, rollouts: Rollouts, backend: GenerationBackend) -> None:
+    def __init__(self, config: Config, rollouts: Rollouts, backend: GenerationBackend, tokens: TokenCounter) -> None:
         self._window_s = config.telemetry.goodput_window_s
         self._rollouts = rollouts
         self._backend = backend
@@ -95,7 +96,7 @@ class GoodputMeter:
         self._trained_groups = self._trained_group_tokens = 0
         self._own_trained_tokens = 0  # of groups this run committed: its goodput
         self._trainer_starved = BusyClock()
-        self.risk = WorkAtRisk(rollouts, backend)
+        self.risk = WorkAtRisk(rollouts, backend, tokens)
         self._started_wall = time.time()
         self._generated_at_start = self._wasted_at_start = 0
         # The last estimates, kept while the window holds no train step (R_t) or no busy time (R_g).

@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass
 
 from scd.generation.base import GenerationBackend
+from scd.generation.tokens import TokenCounter
 from scd.rollouts import Rollouts, RolloutsCut
 from scd.telemetry import metrics
 
@@ -30,17 +31,18 @@ class CutMark:
 
 
 class WorkAtRisk:
-    def __init__(self, rollouts: Rollouts, backend: GenerationBackend) -> None:
+    def __init__(self, rollouts: Rollouts, backend: GenerationBackend, tokens: TokenCounter) -> None:
         self._rollouts = rollouts
         self._backend = backend
+        self._tokens = tokens
         stats = rollouts.statistics()
-        self._generated_at_start = backend.generated_tokens()
+        self._generated_at_start = tokens.statistics().generated_tokens
         self._wasted_at_start = stats.wasted_tokens
         self._committed_at_start = stats.committed_tokens
         self._newest = CutMark(time.time(), 0, 0)
 
     def _useful(self) -> int:
-        generated = self._backend.generated_tokens() - self._generated_at_start
+        generated = self._tokens.statistics().generated_tokens - self._generated_at_start
         return generated - (self._rollouts.statistics().wasted_tokens - self._wasted_at_start)
 
     def mark_cut(self, rollouts: RolloutsCut) -> CutMark:

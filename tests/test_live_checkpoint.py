@@ -126,7 +126,7 @@ async def test_synthetic_engine_keeps_generating_through_a_running_daemons_check
 
         async def probe() -> None:
             while True:
-                samples.append((checkpointer.statistics().writing, controller.backend.generated_tokens()))
+                samples.append((checkpointer.statistics().writing, controller.tokens.statistics().generated_tokens))
                 await anyio.sleep(0.005)
 
         async def request_checkpoints() -> None:

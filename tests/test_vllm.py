@@ -31,11 +31,14 @@ from scd.config import Config, derive_config, parse_config
 from scd.daemon import Controller, Triggers
 from scd.errors import InvariantViolation
 from scd.generation.base import GroupRequest, GroupResult
-from scd.generation.vllm_backend import EngineFailed, VLLMBackend
+from scd.generation.tokens import TokenCounter
+from scd.generation.vllm_backend import VLLMBackend
+from scd.generation.vllm_engine import EngineFailed
 from scd.ledger import PromptState
 from scd.records import COMPLETE, Completion
 from scd.training.policy import HFPolicy, state_copy
 from tests.conftest import REPO, ScdProcess, vllm_cpu_config
+from tests.support.engines import engines_paused, running_requests, worker_parameters
 from tests.test_prefix_resume import crash_after_a_checkpoint_with_prefixes
 from tests.test_process import metric, scrape
 from tests.test_sibling_recovery import crash_mid_generation_and_resume
@@ -156,7 +159,7 @@ async def test_an_aborted_group_is_never_committed_and_goes_back_to_dispatch(
 
         async with anyio.create_task_group() as tg:
             tg.start_soon(generate)
-            while not engine.running_requests():
+            while not running_requests(engine):
                 await anyio.sleep(0)
             # The window moved past the version this request started under.
             assert await engine.abort_older_than(10_000) == 1
@@ -202,7 +205,7 @@ async def test_drain_and_aborts_commit_no_truncated_group_and_lose_no_prompt(
     async with Controller.open(config, backend=engine) as controller:
 
         async def shut_down_mid_generation() -> None:
-            while controller.state.trainer_step < 3 or not engine.running_requests():
+            while controller.state.trainer_step < 3 or not running_requests(engine):
                 await anyio.sleep(0.01)
             triggers.shutdown.set()
 
@@ -362,7 +365,7 @@ FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj
 
 async def assert_engines_hold(backend: VLLMBackend, weights: dict[str, torch.Tensor]) -> None:
     """Every engine's parameters, read back from its workers, are bitwise the trainer's (tensor parallel 1)."""
-    for engine, workers in enumerate(await backend.worker_parameters()):
+    for engine, workers in enumerate(await worker_parameters(backend)):
         [worker] = workers
         for name, (shape, dtype, raw) in worker["params"].items():
             held = torch.frombuffer(bytearray(raw), dtype=getattr(torch, dtype)).reshape(shape)
@@ -459,7 +462,7 @@ async def test_a_sync_nothing_can_deliver_names_the_engine_and_leaves_it_paused(
         await engine.update_weights(model.state_dict(), 3)
     assert failed.value.exit_code == 1
     assert "vLLM engine 0 of 1" in str(failed.value) and "paused" in str(failed.value)
-    assert await engine.engines_paused() == [True]
+    assert await engines_paused(engine) == [True]
     results: list[GroupResult] = []
 
     async def generate() -> None:
@@ -468,10 +471,10 @@ async def test_a_sync_nothing_can_deliver_names_the_engine_and_leaves_it_paused(
     async with anyio.create_task_group() as tg:
         tg.start_soon(generate)
         await anyio.sleep(2.0)
-        assert results == [] and engine.running_requests() == 1  # held: the engine has no whole version
+        assert results == [] and running_requests(engine) == 1  # held: the engine has no whole version
         # What the restart would do: a whole version, then the engine serves again.
         await engine.update_weights(model.state_dict(), 3)
-    assert await engine.engines_paused() == [False]
+    assert await engines_paused(engine) == [False]
     await assert_engines_hold(engine, model.state_dict())
     [result] = results
     assert_sampled_by(policy, model, result)
@@ -494,9 +497,13 @@ async def test_generated_tokens_counts_every_token_returned_aborted_partial_outp
         engine: VLLMBackend, tiny_llama: Path, tmp_path: Path) -> None:
     policy = HFPolicy(vllm_config(tiny_llama, tmp_path).model)
     await engine.update_weights(state_copy(policy.build_model().eval()), 0)
-    counted, exported = engine.generated_tokens(), REGISTRY.get_sample_value("scd_generation_tokens_total") or 0.0
+    # Counted as the generation pump counts: each sibling reported, then the rest of each result.
+    tokens = TokenCounter()
+    counted = tokens.statistics().generated_tokens
+    exported = REGISTRY.get_sample_value("scd_generation_tokens_total") or 0.0
 
-    [complete] = await engine.generate([request(policy, "e0-p0", max_tokens=4)], ignore_siblings)
+    [complete] = await engine.generate([request(policy, "e0-p0", max_tokens=4)], tokens.counting(ignore_siblings))
+    tokens.result(complete)
     assert complete.incomplete_reason() == "" and tokens_in(complete) > 0
 
     # Aborted once the engine has generated a few tokens of it: what it returned by then counts too.
@@ -504,11 +511,11 @@ async def test_generated_tokens_counts_every_token_returned_aborted_partial_outp
 
     async def generate() -> None:
         results.extend(await engine.generate([request(policy, "e0-p1", max_tokens=58, text="1=")],
-                                             ignore_siblings))
+                                             tokens.counting(ignore_siblings)))
 
     async with anyio.create_task_group() as tg:
         tg.start_soon(generate)
-        while not engine.running_requests():
+        while not running_requests(engine):
             await anyio.sleep(0)
         started = vllm_generation_tokens()
         with anyio.fail_after(30):
@@ -516,10 +523,11 @@ async def test_generated_tokens_counts_every_token_returned_aborted_partial_outp
                 await anyio.sleep(0.001)
         assert await engine.abort_older_than(10_000) == 1
     [aborted] = results
+    tokens.result(aborted)
     assert "stale" in aborted.incomplete_reason()
     assert 0 < tokens_in(aborted) < 8 * 58  # partial: generated, then aborted
     returned = tokens_in(complete) + tokens_in(aborted)
-    assert engine.generated_tokens() - counted == returned
+    assert tokens.statistics().generated_tokens - counted == returned
     assert (REGISTRY.get_sample_value("scd_generation_tokens_total") or 0.0) - exported == returned
 
 
@@ -545,9 +553,9 @@ async def test_abort_older_than_aborts_exactly_the_requests_started_below_the_wi
                 started[version] = [f"e0-p{version - v}{i}" for i in range(2)]
                 for group_id in started[version]:
                     tg.start_soon(generate, group_id)
-                while engine.running_requests() < 2 * (version - v + 1):
+                while running_requests(engine) < 2 * (version - v + 1):
                     await anyio.sleep(0)
-            assert engine.running_requests() == 6  # all six in flight at once
+            assert running_requests(engine) == 6  # all six in flight at once
             assert await engine.abort_older_than(v + 1) == 2
     for group_id in started[v]:
         assert results[group_id].aborted == f"stale: started under weight version {v}, window starts at {v + 1}"

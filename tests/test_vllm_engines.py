@@ -30,10 +30,12 @@ from scd.checkpoint import layout
 from scd.config import parse_config
 from scd.errors import ConfigError
 from scd.generation.base import GroupResult
-from scd.generation.vllm_backend import EngineFailed, VLLMBackend
+from scd.generation.vllm_backend import VLLMBackend
+from scd.generation.vllm_engine import EngineFailed
 from scd.training.policy import HFPolicy
 from tests import test_vllm
 from tests.conftest import REPO, SCD, ScdProcess, tree_digest, vllm_cpu_config
+from tests.support.engines import engines_paused
 from tests.test_process import metric, scrape
 from tests.test_vllm import (
     assert_engines_hold,
@@ -110,9 +112,9 @@ async def test_aborts_and_a_failed_sync_reach_every_engine(two_engines: VLLMBack
     with faults.armed(everything_fails), anyio.fail_after(300), pytest.raises(EngineFailed) as failed:
         await two_engines.update_weights(model.state_dict(), 11)
     assert "vLLM engine 0 of 2" in str(failed.value) and "vLLM engine 1 of 2" in str(failed.value)
-    assert await two_engines.engines_paused() == [True, True]
+    assert await engines_paused(two_engines) == [True, True]
     await two_engines.update_weights(model.state_dict(), 11)
-    assert await two_engines.engines_paused() == [False, False]
+    assert await engines_paused(two_engines) == [False, False]
     await assert_engines_hold(two_engines, model.state_dict())
 
 

@@ -3,7 +3,9 @@
 A backend turns requests into completions (token ids, logprobs at the sampling
 temperature, finish reason, the weight version that made them).  It never
 scores: the daemon decodes and the task scores, in one place.  Adding a backend
-means one class here and one ``[generation.<name>]`` config sub-table.
+means a module with its class, and its name in two tables: ``scd.generation.BACKENDS``
+(the class) and ``scd.config.GENERATION_BACKENDS`` (its ``[generation.<name>]`` config
+sub-table, a ``GenerationConfig`` field).
 
 A request asks for some of a group's siblings (``GroupRequest.siblings``: all of
 them at first, the missing ones after a restore or an abort).  A backend whose
@@ -27,7 +29,9 @@ from typing import Protocol
 
 import torch
 
+from scd.config import Config
 from scd.records import COMPLETE, Completion, PartialSibling, Prefix
+from scd.training.policy import Policy
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,12 +160,17 @@ class GenerationBackend(Protocol):
         """Abort requests that started under a weight version below ``version``; returns how many."""
         ...
 
-    def generated_tokens(self) -> int:
-        """Cumulative tokens the backend has generated, monotonic across its lifetime."""
-        ...
-
     def engine_activity(self) -> Sequence[EngineActivity]:
-        """Each engine's busy time and generated tokens so far (their tokens add up to ``generated_tokens``)."""
+        """Each engine's busy time and generated tokens so far (the run's total is counted where the results
+        arrive: ``scd.generation.tokens``)."""
         ...
 
     async def aclose(self) -> None: ...
+
+
+class BackendClass(Protocol):
+    """What ``scd.generation.BACKENDS`` maps a name to: a backend class, opened for a config and a policy."""
+
+    async def open(self, config: Config, policy: Policy) -> GenerationBackend:
+        """A backend serving ``policy``; heavy start-up runs off the event loop."""
+        ...

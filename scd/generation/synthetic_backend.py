@@ -30,6 +30,7 @@ from scd.config import Config
 from scd.generation.base import BusyClock, EngineActivity, GroupRequest, GroupResult, SiblingSink
 from scd.records import Completion, FinishReason, PartialSibling, Prefix
 from scd.telemetry import metrics
+from scd.training.policy import Policy
 
 
 @dataclass(slots=True)
@@ -102,6 +103,10 @@ class SyntheticBackend:
         self._in_progress: list[_Batch] = []
         self._busy = BusyClock()
 
+    @classmethod
+    async def open(cls, config: Config, policy: Policy) -> SyntheticBackend:
+        return cls(config)  # no model: ``policy`` goes unused
+
     async def generate(self, requests: Sequence[GroupRequest], on_sibling: SiblingSink) -> list[GroupResult]:
         version = self._version
         sequences: list[_Sequence] = []
@@ -135,7 +140,6 @@ class SyntheticBackend:
         finally:
             self._in_progress.remove(batch)
         self._done_tokens += tokens
-        metrics.generation_tokens.inc(tokens)
         return [GroupResult(req, [q.completion for q in sorted(sequences, key=lambda q: q.index)
                                   if q.request is req], end_weight_version=version)
                 for req in requests]
@@ -157,14 +161,12 @@ class SyntheticBackend:
                         tuple(q.completion.token_ids[:have]), tuple(q.completion.logprobs[:have]), runs)))
         return partials
 
-    def generated_tokens(self) -> int:
-        """Tokens finished, plus those the batches in progress have decoded: a real engine streams
-        tokens, so the counter moves during a batch as it would there."""
-        now = time.monotonic()
-        return self._done_tokens + sum(batch.decoded_tokens(now) for batch in self._in_progress)
-
     def engine_activity(self) -> list[EngineActivity]:
-        return [self._busy.activity("0", self.generated_tokens())]
+        # Tokens finished, plus those the batches in progress have decoded: a real engine streams
+        # tokens, so its count moves during a batch as it would there.
+        now = time.monotonic()
+        decoded = self._done_tokens + sum(batch.decoded_tokens(now) for batch in self._in_progress)
+        return [self._busy.activity("0", decoded)]
 
     async def update_weights(self, weights: Mapping[str, torch.Tensor], version: int) -> None:
         self._version = version

@@ -39,6 +39,11 @@ class TorchBackend:
         # Sampling and weight loads take turns on the one model, so a batch never mixes versions.
         self._limiter = anyio.CapacityLimiter(1)
 
+    @classmethod
+    async def open(cls, config: Config, policy: Policy) -> TorchBackend:
+        # Building the model takes a while: off the event loop.
+        return await anyio.to_thread.run_sync(cls, config, policy)
+
     async def generate(self, requests: Sequence[GroupRequest], on_sibling: SiblingSink) -> list[GroupResult]:
         # A batch's siblings finish together: nothing to report before it returns.
         return await anyio.to_thread.run_sync(self._generate_blocking, requests, limiter=self._limiter)
@@ -63,12 +68,9 @@ class TorchBackend:
         # A batch runs under one version from start to end and no request waits inside the backend.
         return 0
 
-    def generated_tokens(self) -> int:
-        with self._tokens_lock:
-            return self._tokens
-
     def engine_activity(self) -> list[EngineActivity]:
-        return [self._busy.activity("0", self.generated_tokens())]
+        with self._tokens_lock:
+            return [self._busy.activity("0", self._tokens)]
 
     async def aclose(self) -> None:
         return None
@@ -98,8 +100,6 @@ class TorchBackend:
                     ))
                     row += 1
                 results[req.group_id] = GroupResult(req, completions, end_weight_version=version)
-            # Counted as produced, per batch: the counter moves during long steps and checkpoints.
-            metrics.generation_tokens.inc(new_tokens * prompts.shape[0])
             with self._tokens_lock:
                 self._tokens += new_tokens * prompts.shape[0]
         return [results[req.group_id] for req in requests]

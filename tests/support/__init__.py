@@ -1,1 +1,2 @@
-"""Plain helpers the test modules share (pytest's fixtures stay in tests/conftest.py)."""
+"""Plain helpers the test modules share, through the public surfaces of scd's objects
+(pytest's fixtures stay in tests/conftest.py)."""

@@ -1,0 +1,22 @@
+"""What tests read of a ``VLLMBackend``'s engines, through their public surface."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from scd.generation.vllm_backend import VLLMBackend
+
+
+def running_requests(backend: VLLMBackend) -> int:
+    """Requests the engines are generating now."""
+    return sum(len(engine.running) for engine in backend.engines)
+
+
+async def engines_paused(backend: VLLMBackend) -> list[bool]:
+    """Whether each engine's scheduler is paused now (a failed sync leaves them paused)."""
+    return [await engine.llm.is_paused() for engine in backend.engines]
+
+
+async def worker_parameters(backend: VLLMBackend) -> list[list[dict[str, Any]]]:
+    """Per engine, per worker, its parameters as raw bytes (read back through collective_rpc)."""
+    return [await engine.llm.collective_rpc("scd_parameter_bytes") for engine in backend.engines]
