@@ -39,7 +39,7 @@ RECENT_STEPS = 32  # step times the stall limit's median is taken over
 class Watch:
     def __init__(self, config: Config, state: ControllerState, rollouts: Rollouts, goodput: GoodputMeter,
                  backend: GenerationBackend, trainer: Trainer, dataplane: DataPlane, events: EventLog,
-                 checkpointer: Checkpointer | None, serving: Callable[[], bool]) -> None:
+                 checkpointer: Checkpointer | None, serves: Callable[[], bool]) -> None:
         self.config = config
         self.state = state
         self.rollouts = rollouts
@@ -49,7 +49,7 @@ class Watch:
         self.dataplane = dataplane
         self.events = events
         self.checkpointer = checkpointer
-        self.serving = serving  # whether the run serves: only then can training stall
+        self.serves = serves  # whether the run serves (ready, not draining): only then can training stall
         self._last_stall = (0.0, 0.0)  # (monotonic time, seconds late) of the worst recent probe
         self._last_step_mark = (time.monotonic(), 0, 0, 0)  # (time, committed groups, committed tokens, tokens)
         self._step_times: deque[float] = deque(maxlen=RECENT_STEPS)  # seconds between recent steps
@@ -140,7 +140,7 @@ class Watch:
         while True:
             await anyio.sleep(period_s)
             idle_s, limit_s = time.monotonic() - self._last_progress, self.stall_limit_s()
-            if not self.serving() or idle_s <= limit_s or self._stalled:
+            if not self.serves() or idle_s <= limit_s or self._stalled:
                 continue
             state, rollouts = self.state.statistics(), self.rollouts.statistics()
             self._stalled = (f"no train step for {idle_s:.0f}s (limit {limit_s:.0f}s): {state.in_flight} prompts "

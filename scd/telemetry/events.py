@@ -123,8 +123,7 @@ class Stall(Event, tag="stall", kw_only=True):
     replay_groups: int
 
 
-TrackedEvent = TrainStep | Checkpoint | Restore  # what experiment trackers show
-TRACKED = (TrainStep, Checkpoint, Restore)
+TRACKED = (TrainStep, Checkpoint, Restore)  # what experiment trackers show
 
 
 def tag_of(kind: type[Event]) -> str:
