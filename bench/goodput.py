@@ -37,7 +37,7 @@ from scd.checkpoint import layout
 from scd.config import Config
 from scd.daemon import Controller
 from scd.dataplane import DataPlane
-from scd.telemetry.report import goodput_totals
+from scd.report import goodput_totals
 
 REPO = Path(__file__).resolve().parents[1]
 GOALS = {

@@ -30,8 +30,10 @@ Layering, bottom to top (a module imports only from layers below it):
    works on the state, the data plane, the trainer and the rollouts, never the
    controller; restore is one path from bundle to the first admission.
 6. ``daemon``: wiring, the pumps, and the one task group in which every
-   concurrent activity runs.
-7. ``cli``: argument parsing and exit codes.
+   concurrent activity runs.  ``watch``: observing it (/healthz, gauges,
+   step rates, stalls, the loop probe, the telemetry sampler).
+7. ``cli``: argument parsing and exit codes.  ``report``: the offline report
+   over the event log.
 
 ``tests/test_layering.py`` checks this order: no import runs up a layer, and
 no import circle.

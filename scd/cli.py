@@ -20,6 +20,7 @@ from scd.config import Config, load_config
 from scd.daemon import Controller, Triggers
 from scd.errors import EXIT_CONFIG, EXIT_INVARIANT, EXIT_OK, EXIT_OTHER, ScdError
 from scd.samplers import build_sampler
+from scd.telemetry.events import Start
 from scd.telemetry.http import open_listener, serve_http
 from scd.telemetry.trackers import require_tracker_packages
 
@@ -48,7 +49,7 @@ async def run_daemon(config: Config, args: argparse.Namespace) -> None:
         listener = await open_listener(config.telemetry.metrics_host, config.telemetry.metrics_port)
         opened: list[Controller] = []
         async with anyio.create_task_group() as http:
-            port = await http.start(serve_http, listener, lambda: opened[0].health_problem() if opened else "",
+            port = await http.start(serve_http, listener, lambda: opened[0].watch.health_problem() if opened else "",
                                     lambda: bool(opened) and opened[0].ready, name="http")
             async with Controller.open(config) as controller:
                 controller.metrics_port = port
@@ -61,9 +62,9 @@ async def run_daemon(config: Config, args: argparse.Namespace) -> None:
 async def run_controller(controller: Controller, triggers: Triggers, args: argparse.Namespace) -> None:
     """Announce the start, restore, and run until done or drained."""
     placement = controller.dataplane.placement
-    await controller.events.emit("start", controller.state.trainer_step, pid=os.getpid(),
-                                 tq_controller_node=placement.controller,
-                                 tq_storage_unit_nodes=placement.storage_units)
+    await controller.events.emit(Start(step=controller.state.trainer_step, pid=os.getpid(),
+                                       tq_controller_node=placement.controller,
+                                       tq_storage_unit_nodes=placement.storage_units))
     await controller.restore(args.restore_from, args.allow_config_change, args.discard_newer)
     if not triggers.shutdown.is_set():
         await controller.run(triggers, args.max_steps)
@@ -172,7 +173,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "model":
             return model_command(args)
         if args.command == "report":
-            from scd.telemetry.report import write_report
+            from scd.report import write_report
 
             print(write_report(args.events, args.out))
             return EXIT_OK

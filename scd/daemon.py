@@ -11,11 +11,12 @@ Tasks (each named for what it does):
 * ``checkpoint_scheduler`` turns the interval and SIGUSR1 into a checkpoint due at the next step
   boundary; ``checkpoint_writer`` writes bundles, one at a time
 * ``drain``           on shutdown, puts the drain deadline on the train pump's cancel scope
-* ``http``, ``watchdog``, ``loop_probe``, ``telemetry``, ``goodput`` (``scd.goodput``): observation
+* ``http``, ``watchdog``, ``loop_probe``, ``stall_watch``, ``telemetry`` (``scd.watch``), ``goodput``
+  (``scd.goodput``): observation
 
 The controller wires parts together: the state a checkpoint captures and every
 mutation of it live in ``scd.state``, a group's life from admission to commit in
-``scd.rollouts``, restore in ``scd.checkpoint.restore``.  Shutdown is one event
+``scd.rollouts``, restore in ``scd.checkpoint.restore``, observation in ``scd.watch``.  Shutdown is one event
 passed in (``Triggers.shutdown``; tests need no real signals): the rollout pump
 stops admitting, the train pump stops at its next step boundary or at the drain
 deadline, then the last checkpoint is written and must succeed.
@@ -24,9 +25,7 @@ deadline, then the last checkpoint is written and must succeed.
 from __future__ import annotations
 
 import logging
-import statistics
 import time
-from collections import deque
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -55,18 +54,15 @@ from scd.schema import RestorePhase, Trigger
 from scd.state import ControllerState
 from scd.tasks import Prompt, build_task
 from scd.telemetry import metrics
-from scd.telemetry.events import EventLog
+from scd.telemetry.tracker_hub import event_log
 from scd.training.base import Trainer
 from scd.training.group import open_trainer
 from scd.training.policy import Policy, build_policy
+from scd.watch import Watch
 
 log = logging.getLogger(__name__)
 
 DRAIN_DEADLINE_S = 30.0
-# /healthz calls the loop behind when a probe woke this much late within the last LOOP_STALL_WINDOW_S.
-LOOP_BEHIND_S = 1.0
-LOOP_STALL_WINDOW_S = 30.0
-RECENT_STEPS = 32  # step times the stall limit's median is taken over
 
 
 @dataclass(slots=True)
@@ -99,21 +95,18 @@ class Controller:
         self.rollouts = Rollouts(config, self.state, policy, prompts, self._notify)
         self.tokens = TokenCounter()  # what the generation pump receives
         self.goodput = GoodputMeter(config, self.rollouts, backend, self.tokens)
-        self.events = EventLog.with_trackers(config.telemetry, Path(config.run.output_dir), lambda: self.state.run)
+        self.events = event_log(config.telemetry, Path(config.run.output_dir), lambda: self.state.run)
         self.checkpointer = (Checkpointer(config, self.events, self.state, dataplane, self.trainer, self.goodput.risk,
                                           self.rollouts, backend)
                              if config.checkpointing.enabled else None)
+        self.watch = Watch(config, self.state, self.rollouts, self.goodput, self.tokens, trainer, dataplane,
+                           self.events, self.checkpointer, lambda: self.ready)
         self.metrics_port: int | None = None
         self.ready = False
-        self._last_stall = (0.0, 0.0)  # (monotonic time, seconds late) of the worst recent probe
         self._shutdown = anyio.Event()
         self._changed = anyio.Event()
         self._checkpoint_due: Trigger | None = None
-        self._last_step_mark = (time.monotonic(), 0, 0, 0)
         self._last_read_s = 0.0  # how long the last train step waited for its rows from TQ
-        self._step_times: deque[float] = deque(maxlen=RECENT_STEPS)  # seconds between recent steps
-        self._last_progress = time.monotonic()  # the last step's end, or the run's start
-        self._stalled = ""  # why training looks stalled, or "" (what /healthz reports)
         for phase in RestorePhase:
             metrics.restore_phase.labels(phase.value)
 
@@ -160,38 +153,13 @@ class Controller:
         if report is not None:
             if self.checkpointer is not None:
                 self.checkpointer.restored_from(report.step, report.bundle_time)
-            self._publish_gauges()
+            self.watch.publish_gauges()
         return report
-
-    # ---- observation -------------------------------------------------------------------------
-
-    def health_problem(self) -> str:
-        """Why the process is unhealthy, or "" when it is not."""
-        stalled_at, stalled_s = self._last_stall
-        if stalled_s >= LOOP_BEHIND_S and time.monotonic() - stalled_at < LOOP_STALL_WINDOW_S:
-            return f"event loop fell {stalled_s:.1f}s behind {time.monotonic() - stalled_at:.0f}s ago"
-        if self.dataplane.last_call_timed_out:
-            return (f"TransferQueue did not answer its last call within "
-                    f"data_plane.call_timeout_s = {self.config.data_plane.call_timeout_s}s")
-        if self.checkpointer is not None and self.checkpointer.consecutive_failures:
-            return f"checkpointing failed {self.checkpointer.consecutive_failures} time(s) in a row"
-        return self._stalled
 
     def _notify(self) -> None:
         """Wake every task waiting for capacity or ready groups."""
         self._changed.set()
         self._changed = anyio.Event()
-
-    def _publish_gauges(self) -> None:
-        state = self.state
-        metrics.trainer_step.set(state.trainer_step)
-        metrics.weight_version.set(state.weight_version)
-        metrics.replay_groups.set(len(state.replay))
-        metrics.replay_rows.set(state.replay.rows)
-        metrics.staged_siblings.set(state.ledger.staged_count())
-        metrics.prompt_fates.follow(state.fates)
-        for ledger_state, n in state.ledger.counts().items():
-            metrics.ledger_prompts.labels(ledger_state).set(n)
 
     # ---- pumps -------------------------------------------------------------------------------
 
@@ -278,33 +246,7 @@ class Controller:
         weight_sync_s = time.monotonic() - sync_started  # the backend observes it, labelled by its path
         await self.backend.abort_older_than(state.window_start())
         self._notify()
-        metrics.train_reward_mean.set(result.reward_mean)
-        metrics.train_staleness.set(staleness)
-        if result.logprob_mismatch_mean is not None:
-            metrics.train_logprob_mismatch.labels("mean").set(result.logprob_mismatch_mean)
-            metrics.train_logprob_mismatch.labels("max").set(result.logprob_mismatch_max)
-        self._publish_gauges()
-        log.info("step %d version %d reward %.3f loss %.4f committed %d staleness %d replay %d",
-                 state.trainer_step, state.weight_version, result.reward_mean, result.loss,
-                 state.committed_groups, staleness, len(state.replay))
-        now, groups_done = time.monotonic(), state.committed_groups
-        committed = self.rollouts.statistics().committed_tokens
-        tokens = self.tokens.statistics().generated_tokens
-        last_at, last_groups, last_committed, last_tokens = self._last_step_mark
-        self._last_step_mark = (now, groups_done, committed, tokens)
-        elapsed = max(now - last_at, 1e-9)
-        self._step_times.append(now - self._last_progress)
-        self._last_progress, self._stalled = now, ""
-        await self.events.emit(
-            "train_step", state.trainer_step, epoch=state.order.state.epoch, weight_version=state.weight_version,
-            **result.event_fields(), staleness=staleness, prompt_ids=[[g.epoch, g.prompt_id] for g in batch],
-            weight_sync_ms=weight_sync_s * 1e3, weight_export_ms=self.trainer.statistics().last_export_s * 1e3,
-            tq_read_ms=self._last_read_s * 1e3, **state.fates.step_fields(),
-            committed_groups_per_s=(groups_done - last_groups) / elapsed,
-            generated_tokens_per_s=(tokens - last_tokens) / elapsed,
-            committed_tokens_per_s=(committed - last_committed) / elapsed,
-            **self.goodput.on_train_step(batch).event_fields(),
-        )
+        await self.watch.step_done(batch, result, staleness, weight_sync_s, self._last_read_s)
 
     async def train_pump(self, max_steps: int) -> None:
         """Train until ``max_steps`` or shutdown; always returns at a step boundary.
@@ -365,19 +307,19 @@ class Controller:
             tg.start_soon(self.rollout_pump, to_generation, name="rollout_pump")
             tg.start_soon(self.generation_pump, generation_in, name="generation_pump")
             tg.start_soon(systemd.feed_watchdog, name="watchdog")
-            tg.start_soon(self.loop_probe, name="loop_probe")
-            tg.start_soon(self.stall_watch, name="stall_watch")
+            tg.start_soon(self.watch.loop_probe, name="loop_probe")
+            tg.start_soon(self.watch.stall_watch, name="stall_watch")
             if self.checkpointer is not None:
                 await tg.start(self.checkpointer.run_writer, name="checkpoint_writer")
                 tg.start_soon(self.checkpoint_scheduler, triggers, name="checkpoint_scheduler")
             if telemetry.telemetry_interval_s > 0:
-                tg.start_soon(self.telemetry_sampler, telemetry.telemetry_interval_s, name="telemetry")
+                tg.start_soon(self.watch.telemetry_sampler, telemetry.telemetry_interval_s, name="telemetry")
             train_scope = anyio.CancelScope()
             tg.start_soon(self.drain, train_scope, drain_deadline_s, name="drain")
             systemd.notify("READY=1")
-            self._last_progress = time.monotonic()
+            self.watch.run_started()
             self.ready = True
-            self._publish_gauges()
+            self.watch.publish_gauges()
             with train_scope:
                 await self.train_pump(max_steps)
             self.stop_serving()
@@ -397,49 +339,3 @@ class Controller:
         if self.ready:
             self.ready = False
             systemd.notify("STOPPING=1")
-
-    async def telemetry_sampler(self, interval_s: float) -> None:
-        """Sample gauges on a wall-clock interval into /metrics and the event log; never touches checkpoints."""
-        while True:
-            await anyio.sleep(interval_s)
-            self._publish_gauges()
-            stats = self.state.statistics()
-            await self.events.emit(
-                "sample", stats.trainer_step, weight_version=stats.weight_version, epoch=stats.epoch,
-                replay_groups=stats.replay_groups, replay_rows=stats.replay_rows, in_flight=stats.in_flight,
-                committed_groups=stats.committed_groups, generated_tokens=self.tokens.statistics().generated_tokens,
-                ledger=stats.ledger,
-            )
-
-    def stall_limit_s(self) -> float:
-        """How long the run may go without a train step before it is called stalled."""
-        telemetry = self.config.telemetry
-        recent = statistics.median(self._step_times) if self._step_times else 0.0
-        return max(telemetry.stall_after_s, telemetry.stall_after_steps * recent)
-
-    async def stall_watch(self, period_s: float = 1.0) -> None:
-        """No train step for longer than ``stall_limit_s`` while the run serves: /healthz answers 503
-        with why, and one ``stall`` event is logged per stall (a step ends it)."""
-        while True:
-            await anyio.sleep(period_s)
-            idle_s, limit_s = time.monotonic() - self._last_progress, self.stall_limit_s()
-            if not self.ready or idle_s <= limit_s or self._stalled:
-                continue
-            state, rollouts = self.state.statistics(), self.rollouts.statistics()
-            self._stalled = (f"no train step for {idle_s:.0f}s (limit {limit_s:.0f}s): {state.in_flight} prompts "
-                             f"in flight, {rollouts.awaiting_commit} awaiting commit, {state.replay_groups} groups "
-                             "ready")
-            log.warning("training stalled: %s", self._stalled)
-            await self.events.emit("stall", state.trainer_step, idle_s=idle_s, limit_s=limit_s,
-                                   in_flight=state.in_flight, awaiting_commit=rollouts.awaiting_commit,
-                                   replay_groups=state.replay_groups)
-
-    async def loop_probe(self, period_s: float = 0.05) -> None:
-        while True:
-            before = time.monotonic()
-            await anyio.sleep(period_s)
-            now = time.monotonic()
-            late = max(0.0, now - before - period_s)
-            metrics.loop_stall.observe(late)
-            if late >= self._last_stall[1] or now - self._last_stall[0] >= LOOP_STALL_WINDOW_S:
-                self._last_stall = (now, late)

@@ -731,7 +731,7 @@ async def test_readyz_is_503_from_the_drains_start_while_the_step_in_progress_fi
 
         with anyio.fail_after(WAIT_S * 2):
             async with anyio.create_task_group() as tg:
-                port = await tg.start(serve_http, await open_listener("127.0.0.1", 0), controller.health_problem,
+                port = await tg.start(serve_http, await open_listener("127.0.0.1", 0), controller.watch.health_problem,
                                       lambda: controller.ready)
                 tg.start_soon(operator, port)
                 await controller.run(triggers, max_steps=100_000)

@@ -19,7 +19,7 @@ import pytest
 
 from scd.checkpoint import layout
 from scd.checkpoint.verify import verify_bundle
-from scd.telemetry.report import goodput_totals
+from scd.report import goodput_totals
 from tests.conftest import ScdProcess, write_config
 
 CHECKPOINTS = "\n[checkpointing]\nenabled = true\ninterval_s = 0.5\nkeep_last = 3\n"

@@ -32,6 +32,7 @@ from scd.generation.base import GroupRequest, GroupResult
 from scd.ledger import PromptState
 from scd.records import Completion, FinishReason, Rollout
 from scd.schema import Outcome, Trigger
+from scd.telemetry.events import Event, TrainStep
 from tests.conftest import tree_digest
 from tests.support.bundles import copy_bundles, reseal
 from tests.support.configs import CHECKPOINTING, config_for
@@ -123,10 +124,11 @@ async def golden(tq_session: None, tmp_path_factory: pytest.TempPathFactory) -> 
                 plan["signal_step"] = step
             return outcome
 
-        async def emit(event: str, step: int, **fields: Any) -> None:
-            await real_emit(event, step, **fields)
-            if event != "train_step":
+        async def emit(event: Event) -> None:
+            await real_emit(event)
+            if not isinstance(event, TrainStep):
                 return
+            step = event.step
             triggers = plan["triggers"]
             if step >= plan["start"] + 2 and not plan["requested"]:
                 plan["requested"] = True

@@ -14,7 +14,7 @@ from prometheus_client import REGISTRY
 from scd.config import parse_config
 from scd.daemon import Controller
 from scd.ledger import DropReason, PromptState
-from scd.telemetry.report import goodput_totals, write_report
+from scd.report import goodput_totals, write_report
 from tests.conftest import tiny_config
 
 # The tests' config (tests/conftest.py TINY): 8 groups a step, window 1, and a buffer of 64 that

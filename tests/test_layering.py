@@ -16,10 +16,10 @@ LAYERS: dict[str, int] = {
     "cluster": 3, "dataplane": 3, "training": 3, "generation": 3, "telemetry": 3, "systemd": 3, "reaper": 3,
     "rollouts": 4, "goodput": 4, "risk": 4,
     "checkpoint": 5,
-    "daemon": 6,
-    "cli": 7,
+    "daemon": 6, "watch": 6,
+    "cli": 7, "report": 7,
 }
-DAEMON_MAX_LINES = 450
+DAEMON_MAX_LINES = 350
 
 
 def module_name(path: Path) -> str:

@@ -46,7 +46,7 @@ async def test_a_deferred_clear_that_fails_after_a_good_save_keeps_the_bundle_an
         verified = verify_bundle(layout.step_dir(root, 0))
         assert {g.group_id for g in verified.sidecar.groups} == {group_id}
         assert staged in verified.sidecar.uncut_keys  # in TQ's snapshot, not the cut's: restore clears it
-        assert checkpointer.statistics().consecutive_failures == 0 and controller.health_problem() == ""
+        assert checkpointer.statistics().consecutive_failures == 0 and controller.watch.health_problem() == ""
         assert metric("scd_owed_clear_failures_total") == failures + 1
         assert metric("scd_owed_clears") == 1
         assert await dp.list_keys() == {group_id, staged}  # owed still, not forgotten

@@ -12,7 +12,7 @@ import orjson
 import pytest
 
 from scd.errors import ScdError
-from scd.telemetry.report import write_report
+from scd.report import write_report
 
 pytest.importorskip("matplotlib")
 

@@ -438,7 +438,7 @@ async def test_a_tight_window_starves_the_long_bucket_and_the_tvd_shows_it(tmp_p
 
 def test_report_draws_trained_per_admitted_per_bucket(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
-    from scd.telemetry.report import write_report
+    from scd.report import write_report
 
     events = [{"event": "start", "time": 1000.0, "step": 0}]
     for step in range(1, 41):

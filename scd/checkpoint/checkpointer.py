@@ -41,7 +41,7 @@ from scd.rollouts import Rollouts, RolloutsCut
 from scd.schema import OUTCOME_REASONS, CheckpointPhase, Outcome, SkipReason, Trigger
 from scd.state import ControllerState
 from scd.telemetry import metrics
-from scd.telemetry.events import EventLog
+from scd.telemetry.events import Checkpoint, EventLog
 from scd.training.base import Trainer
 
 log = logging.getLogger(__name__)
@@ -117,8 +117,8 @@ class Checkpointer:
         since = time.time() - self._last_success_wall if self._last_success_wall is not None else None
         if since is not None:
             metrics.checkpoint_seconds_since_success.set(since)
-        await self.events.emit("checkpoint", step, outcome=outcome.value, reason=reason,
-                               since_last_success_s=since, **fields)
+        await self.events.emit(Checkpoint(step=step, outcome=outcome.value, reason=reason,
+                                          since_last_success_s=since, **fields))
 
     async def attempt(self, trigger: Trigger, *, wait: bool = False) -> Outcome:
         """Take a checkpoint at this train-step boundary, or record why not.

@@ -53,7 +53,7 @@ from scd.rollouts import Rollouts, RolloutsCut
 from scd.schema import RestorePhase, RunIdentity, SchemaError, Sidecar, TrainingInfo, Trigger, decode
 from scd.state import ControllerState, Restored
 from scd.telemetry import metrics
-from scd.telemetry.events import EventLog
+from scd.telemetry.events import EventLog, Restore
 from scd.training.base import Trainer
 
 T = TypeVar("T")
@@ -396,15 +396,15 @@ async def record_restore(report: RestoreReport, events: EventLog) -> None:
              report.prompts_redispatched, report.siblings_reused, report.siblings_rerun, report.stale_tokens,
              report.siblings_resumed, report.prefix_tokens_reused, report.prefix_tokens_dropped,
              " [shadow: replay index not restored]" if report.shadow else "", report.phases[RestorePhase.TOTAL])
-    await events.emit(
-        "restore", report.step, bundle=str(report.bundle), phases=report.phases,
+    await events.emit(Restore(
+        step=report.step, bundle=str(report.bundle), phases=report.phases,
         groups_restored=report.groups_restored, groups_evicted_stale=report.groups_evicted_stale,
         prompts_redispatched=report.prompts_redispatched, shadow=report.shadow,
         uncut_groups_cleared=report.uncut_groups_cleared, siblings_reused=report.siblings_reused,
         siblings_rerun=report.siblings_rerun, stale_tokens=report.stale_tokens,
         prefix_tokens_reused=report.prefix_tokens_reused, prefix_tokens_dropped=report.prefix_tokens_dropped,
         siblings_resumed=report.siblings_resumed,
-    )
+    ))
 
 
 async def clear_uncut_groups(dataplane: DataPlane, expected: set[str], uncut: set[str], bundle: Path) -> int:

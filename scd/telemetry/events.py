@@ -1,48 +1,159 @@
-"""The JSONL event log: one object per line, stamped with wall-clock time and trainer step.
+"""The JSONL event log: one typed event per line, stamped with wall-clock time.
 
-Appended across restarts, so a series continues where the last process left it.
-Records are stamped and written one at a time, so the file is in time order.  Each
-line is also handed to the experiment trackers (``scd.telemetry.tracker_hub``), which
-take it off the loop; closing the log (``async with``) waits for them, bounded.
+Each kind scd emits is a struct here (``TrainStep``, ``Checkpoint``, ...); its tag is the line's
+``event`` key, its fields the line's other keys.  Appended across restarts, so a series continues
+where the last process left it.  Events are stamped and written one at a time, so the file is in time
+order.  The line of each event the trackers show (``TRACKED``) is also handed to the experiment
+trackers (``scd.telemetry.tracker_hub``), which take it off the loop; closing the log (``async with``)
+waits for them, bounded.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Self
+from typing import Protocol, Self
 
 import aiofiles
 import anyio
-import orjson
+import msgspec
 
-from scd.config import TelemetryConfig
-from scd.schema import RunIdentity
-from scd.telemetry.tracker_hub import TrackerHub
+
+class Event(msgspec.Struct, tag_field="event"):
+    step: int  # the trainer step
+    time: float = 0.0  # stamped as the log writes the event
+
+
+class Start(Event, tag="start", kw_only=True):
+    """A process began: before its restore."""
+
+    pid: int
+    tq_controller_node: str
+    tq_storage_unit_nodes: list[str]
+
+
+class Restore(Event, tag="restore", kw_only=True):
+    bundle: str
+    phases: dict[str, float]
+    groups_restored: int
+    groups_evicted_stale: int
+    prompts_redispatched: int
+    shadow: bool
+    uncut_groups_cleared: int
+    siblings_reused: int
+    siblings_rerun: int
+    stale_tokens: int
+    prefix_tokens_reused: int
+    prefix_tokens_dropped: int
+    siblings_resumed: int
+
+
+class Checkpoint(Event, tag="checkpoint", kw_only=True):
+    """One checkpoint attempt's outcome; the fields an outcome has not are left out of the line."""
+
+    outcome: str
+    reason: str
+    since_last_success_s: float | None
+    trigger: str | msgspec.UnsetType = msgspec.UNSET  # skipped, failed
+    error: str | msgspec.UnsetType = msgspec.UNSET  # failed
+    bundle: str | msgspec.UnsetType = msgspec.UNSET  # completed, and the rest below
+    phases: dict[str, float] | msgspec.UnsetType = msgspec.UNSET
+    groups: int | msgspec.UnsetType = msgspec.UNSET
+    cost_s: float | msgspec.UnsetType = msgspec.UNSET
+    interval_s: float | msgspec.UnsetType = msgspec.UNSET
+    sidecar_bytes: int | msgspec.UnsetType = msgspec.UNSET
+    data_plane_bytes: int | msgspec.UnsetType = msgspec.UNSET
+
+
+class TrainStep(Event, tag="train_step", kw_only=True):
+    epoch: int
+    weight_version: int
+    reward_mean: float
+    loss: float
+    clip_fraction: float
+    entropy: float
+    trained_tokens: int
+    logprob_mismatch_mean: float | None
+    logprob_mismatch_max: float | None
+    logprob_mismatch_tokens: int
+    slowest_rank_ms: float
+    fastest_rank_ms: float
+    staleness: int
+    prompt_ids: list[list[int]]  # [epoch, prompt id] of each group trained
+    weight_sync_ms: float
+    weight_export_ms: float
+    tq_read_ms: float
+    training_skew_tvd: float
+    trained_per_admitted: dict[str, float]
+    committed_groups_per_s: float
+    generated_tokens_per_s: float
+    committed_tokens_per_s: float
+    engine_busy_ratio: dict[str, float]
+    engine_busy_bound: float | None
+    trainer_groups_per_s: float | None
+    generation_groups_per_s: float | None
+    generation_waste_ratio: float
+    goodput_ratio: float
+    run_generated_tokens: int  # run_*: counts since this process's run started
+    run_wasted_tokens: int
+    run_trained_tokens: int
+
+
+class Sample(Event, tag="sample", kw_only=True):
+    """The telemetry interval's gauges."""
+
+    weight_version: int
+    epoch: int
+    replay_groups: int
+    replay_rows: int
+    in_flight: int
+    committed_groups: int
+    generated_tokens: int
+    ledger: dict[str, int]
+
+
+class Stall(Event, tag="stall", kw_only=True):
+    """Training went without a step for longer than its limit (one per stall)."""
+
+    idle_s: float
+    limit_s: float
+    in_flight: int
+    awaiting_commit: int
+    replay_groups: int
+
+
+TRACKED = (TrainStep, Checkpoint, Restore)  # what experiment trackers show
+
+
+def tag_of(kind: type[Event]) -> str:
+    """The ``event`` key of ``kind``'s lines."""
+    return str(kind.__struct_config__.tag)
+
+
+class Trackers(Protocol):
+    def offer(self, line: bytes) -> None:
+        """On the event loop: never blocks."""
+        ...
+
+    def close(self) -> None:
+        """Blocking: waits for the trackers, bounded."""
+        ...
 
 
 class EventLog:
-    def __init__(self, path: Path, trackers: TrackerHub | None = None) -> None:
+    def __init__(self, path: Path, trackers: Trackers | None = None) -> None:
         self.path = path
         self.trackers = trackers
         self._lock = anyio.Lock()
 
-    @classmethod
-    def with_trackers(cls, telemetry: TelemetryConfig, output_dir: Path, run_of: Callable[[], RunIdentity]) -> Self:
-        """The log at ``telemetry.events_path``, feeding ``telemetry.trackers`` (``run_of``: the run they show)."""
-        trackers = TrackerHub(telemetry, output_dir, run_of) if telemetry.trackers else None
-        return cls(Path(telemetry.events_path), trackers)
-
-    async def emit(self, event: str, step: int, **fields: Any) -> None:
+    async def emit(self, event: Event) -> None:
         async with self._lock:
-            record = {"event": event, "time": time.time(), "step": step, **fields}
-            line = orjson.dumps(record, option=orjson.OPT_NON_STR_KEYS) + b"\n"
+            line = msgspec.json.encode(msgspec.structs.replace(event, time=time.time())) + b"\n"
             async with aiofiles.open(self.path, "ab") as f:
                 await f.write(line)
-            if self.trackers is not None:
-                self.trackers.offer(event, line)
+            if self.trackers is not None and isinstance(event, TRACKED):
+                self.trackers.offer(line)
 
     async def __aenter__(self) -> Self:
         return self

@@ -27,7 +27,8 @@ from scd import faults
 from scd.config import TelemetryConfig
 from scd.schema import RunIdentity
 from scd.telemetry import metrics
-from scd.telemetry.trackers import SHOWN_EVENTS, require_tracker_packages
+from scd.telemetry.events import EventLog
+from scd.telemetry.trackers import require_tracker_packages
 
 log = logging.getLogger(__name__)
 
@@ -152,10 +153,9 @@ class TrackerHub:
                                             "mark_dir": mark_dir}) + b"\n", run_of, env)
             for name in telemetry.trackers]
 
-    def offer(self, event: str, line: bytes) -> None:
-        if event in SHOWN_EVENTS:
-            for feed in self.feeds:
-                feed.offer(line)
+    def offer(self, line: bytes) -> None:
+        for feed in self.feeds:
+            feed.offer(line)
 
     def close(self) -> None:
         deadline = time.monotonic() + CLOSE_TIMEOUT_S
@@ -163,3 +163,9 @@ class TrackerHub:
             if not feed.close(deadline):
                 log.warning("experiment tracker %s did not finish within %.0fs: killed; its last records may be lost",
                             feed.name, CLOSE_TIMEOUT_S)
+
+
+def event_log(telemetry: TelemetryConfig, output_dir: Path, run_of: Callable[[], RunIdentity]) -> EventLog:
+    """The log at ``telemetry.events_path``, feeding ``telemetry.trackers`` (``run_of``: the run they show)."""
+    trackers = TrackerHub(telemetry, output_dir, run_of) if telemetry.trackers else None
+    return EventLog(Path(telemetry.events_path), trackers)

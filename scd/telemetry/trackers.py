@@ -33,7 +33,8 @@ import orjson
 
 from scd.config import MlflowConfig, TelemetryConfig, TensorBoardConfig, WandbConfig
 from scd.errors import ConfigError
-from scd.schema import RunIdentity
+from scd.schema import Outcome, RunIdentity
+from scd.telemetry.events import Checkpoint, Restore, TrainStep, tag_of
 
 log = logging.getLogger(__name__)
 
@@ -46,9 +47,10 @@ PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}
 # What each tracker's process imports as it starts, while the controller starts and restores.
 MODULES = {"tensorboard": "tensorboard.summary.writer.event_file_writer", "wandb": "wandb",
             "mlflow": "mlflow.tracking"}
-# Events that reach trackers, and the prefix of their scalars.
-_PREFIXES = {"train_step": "train/", "checkpoint": "checkpoint/", "restore": "restore/"}
-SHOWN_EVENTS = frozenset(_PREFIXES)
+# The events trackers are sent (``scd.telemetry.events.TRACKED``), by the tag of their lines, and the prefix of
+# their scalars.
+_TRAIN_STEP, _CHECKPOINT = tag_of(TrainStep), tag_of(Checkpoint)
+_PREFIXES = {_TRAIN_STEP: "train/", _CHECKPOINT: "checkpoint/", tag_of(Restore): "restore/"}
 _AXES = frozenset({"event", "time", "step"})
 
 
@@ -74,7 +76,7 @@ def _is_number(value: object) -> bool:
 
 
 def point_of(record: Mapping[str, Any], run: RunIdentity) -> TrackerPoint | None:
-    """The scalars of one event-log record, or None for an event trackers do not show.
+    """The scalars of one event-log line as JSON, or None for an event trackers do not show.
 
     Numbers and one level of nested numbers (phases, per-bucket ratios) become scalars; text and
     lists do not, except a checkpoint's outcome, which becomes ``checkpoint/<outcome>`` = 1.
@@ -82,11 +84,11 @@ def point_of(record: Mapping[str, Any], run: RunIdentity) -> TrackerPoint | None
     kind = record.get("event")
     prefix = _PREFIXES.get(kind) if isinstance(kind, str) else None
     # A scheduled checkpoint is not an outcome yet: its completed or failed record follows.
-    if prefix is None or (kind == "checkpoint" and record.get("outcome") == "scheduled"):
+    if prefix is None or (kind == _CHECKPOINT and record.get("outcome") == Outcome.SCHEDULED):
         return None
     at = float(record["time"])
     scalars = {TIME_KEY: at - run.started_at}
-    if kind == "checkpoint":
+    if kind == _CHECKPOINT:
         scalars[f"checkpoint/{record['outcome']}"] = 1.0
     for key, value in record.items():
         if key in _AXES:
@@ -95,7 +97,7 @@ def point_of(record: Mapping[str, Any], run: RunIdentity) -> TrackerPoint | None
             scalars[prefix + key] = float(value)
         elif isinstance(value, Mapping):
             scalars.update((f"{prefix}{key}/{inner}", float(v)) for inner, v in value.items() if _is_number(v))
-    return TrackerPoint(int(record["step"]), at, scalars, kind == "train_step")
+    return TrackerPoint(int(record["step"]), at, scalars, kind == _TRAIN_STEP)
 
 
 class Tracker(Protocol):

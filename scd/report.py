@@ -1,6 +1,8 @@
 """Offline report over scd's JSONL event log: PNG plots plus a fixed-width summary table.
 
-Reads the log that ``scd.telemetry.events.EventLog`` appends across restarts and draws, against
+Reads the log that ``scd.telemetry.events.EventLog`` appends across restarts, each line decoded as
+a struct of what the report reads of its event (logs from before a field existed decode too), and
+draws, against
 wall-clock seconds since the first event, the reward, the training throughput, goodput (each
 engine's busy ratio against its bound, waste and goodput ratios), each checkpoint phase and each
 restore phase, and the skew (trained ÷ admitted prompts per bucket, and their distance). Process
@@ -18,12 +20,14 @@ from dataclasses import dataclass, field
 from operator import attrgetter
 from pathlib import Path
 from statistics import fmean
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+import msgspec
 import orjson
 
 from scd.errors import ScdError
 from scd.schema import CheckpointPhase, RestorePhase
+from scd.telemetry.events import Checkpoint, Restore, Sample, Start, TrainStep, tag_of
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -38,7 +42,6 @@ GOODPUT_COUNTS = ("run_generated_tokens", "run_wasted_tokens", "run_trained_toke
 FINAL_REWARD_STEPS = 10
 RATE_WINDOW_STEPS = 10  # steps per minute over the last this-many train steps
 
-_KNOWN_EVENTS = frozenset({"start", "restore", "train_step", "checkpoint", "sample"})
 _OUTCOMES = ("completed", "skipped", "failed")
 _OUTCOME_STYLE = {"skipped": ("tab:gray", 0.92), "failed": ("tab:red", 0.97)}  # colour, height in axes
 _TIME_LABEL = "wall-clock time since first event (s)"
@@ -100,6 +103,58 @@ class _Skew:
     trained_per_admitted: dict[str, float]  # by bucket
 
 
+# What the report reads of each event it knows (``scd.telemetry.events``).  A field that logs from before
+# it lack defaults to absent; a field present with the wrong type fails the line.
+class _StartLine(msgspec.Struct, tag_field="event", tag=tag_of(Start)):
+    time: float
+
+
+class _SampleLine(msgspec.Struct, tag_field="event", tag=tag_of(Sample)):
+    time: float
+
+
+class _RestoreLine(msgspec.Struct, tag_field="event", tag=tag_of(Restore)):
+    time: float
+    phases: dict[str, float] = {}
+    groups_evicted_stale: int | None = None
+    stale_tokens: int | None = None
+
+
+class _TrainStepLine(msgspec.Struct, tag_field="event", tag=tag_of(TrainStep)):
+    time: float
+    step: int
+    reward_mean: float
+    committed_groups_per_s: float | None = None
+    generated_tokens_per_s: float | None = None
+    committed_tokens_per_s: float | None = None
+    engine_busy_ratio: dict[str, float] | None = None
+    engine_busy_bound: float | None = None
+    generation_waste_ratio: float | None = None
+    goodput_ratio: float | None = None
+    run_generated_tokens: float | None = None
+    run_wasted_tokens: float | None = None
+    run_trained_tokens: float | None = None
+    training_skew_tvd: float | None = None
+    trained_per_admitted: dict[str, float] | None = None
+
+
+class _CheckpointLine(msgspec.Struct, tag_field="event", tag=tag_of(Checkpoint)):
+    time: float
+    outcome: str
+    reason: str
+    phases: dict[str, float] = {}
+
+
+_Line = _StartLine | _SampleLine | _RestoreLine | _TrainStepLine | _CheckpointLine
+_KNOWN_EVENTS = frozenset(tag_of(kind) for kind in (Start, Sample, Restore, TrainStep, Checkpoint))
+
+
+def _present(line: _TrainStepLine, names: Sequence[str]) -> dict[str, float]:
+    """The fields of ``names`` the line has a value for."""
+    values = {name: getattr(line, name) for name in names}
+    return {name: float(value) for name, value in values.items() if value is not None}
+
+
 @dataclass
 class _Run:
     """Every recognised event of one log, each series sorted by time; times are absolute."""
@@ -122,36 +177,22 @@ class _Run:
     def since_start(self, times: Sequence[float]) -> list[float]:
         return [t - self.t0 for t in times]
 
-    def add(self, record: dict[str, Any]) -> None:
-        """Add one decoded line; unknown kinds are ignored, malformed known ones raise ValueError."""
-        kind = record.get("event")
-        if kind not in _KNOWN_EVENTS:
-            return
-        time = _number(record, "time")
-        self.times.append(time)
-        if kind == "start":
-            self.starts.append(time)
-        elif kind == "restore":
-            self.restores.append(_Restore(time, _phases(record), int(record.get("groups_evicted_stale") or 0),
-                                          int(record.get("stale_tokens") or 0)))
-        elif kind == "train_step":
-            rates = {name: _number(record, name) for name in RATE_FIELDS if record.get(name) is not None}
-            goodput = {name: _number(record, name) for name in (*GOODPUT_RATIOS, *GOODPUT_COUNTS)
-                       if record.get(name) is not None}
-            busy = record.get("engine_busy_ratio") or {}
-            if not isinstance(busy, dict):
-                raise ValueError(f"field 'engine_busy_ratio' is not an object: {busy!r}")
-            self.train_steps.append(_TrainStep(time, int(_number(record, "step")), _number(record, "reward_mean"),
-                                               rates, {name: _number(busy, name) for name in busy}, goodput))
-            if record.get("training_skew_tvd") is not None:
-                ratios = record.get("trained_per_admitted") or {}
-                if not isinstance(ratios, dict):
-                    raise ValueError(f"field 'trained_per_admitted' is not an object: {ratios!r}")
-                self.skews.append(_Skew(time, _number(record, "training_skew_tvd"),
-                                        {bucket: _number(ratios, bucket) for bucket in ratios}))
-        elif kind == "checkpoint":
-            self.checkpoints.append(
-                _Checkpoint(time, _string(record, "outcome"), _string(record, "reason"), _phases(record)))
+    def add(self, line: _Line) -> None:
+        self.times.append(line.time)
+        match line:
+            case _StartLine():
+                self.starts.append(line.time)
+            case _RestoreLine():
+                self.restores.append(_Restore(line.time, line.phases, line.groups_evicted_stale or 0,
+                                              line.stale_tokens or 0))
+            case _TrainStepLine():
+                self.train_steps.append(_TrainStep(line.time, line.step, line.reward_mean, _present(line, RATE_FIELDS),
+                                                   line.engine_busy_ratio or {},
+                                                   _present(line, (*GOODPUT_RATIOS, *GOODPUT_COUNTS))))
+                if line.training_skew_tvd is not None:
+                    self.skews.append(_Skew(line.time, line.training_skew_tvd, line.trained_per_admitted or {}))
+            case _CheckpointLine():
+                self.checkpoints.append(_Checkpoint(line.time, line.outcome, line.reason, line.phases))
 
     def sort(self) -> None:
         by_time = attrgetter("time")
@@ -160,29 +201,6 @@ class _Run:
         self.train_steps.sort(key=by_time)
         self.checkpoints.sort(key=by_time)
         self.skews.sort(key=by_time)
-
-
-def _number(record: dict[str, Any], key: str) -> float:
-    if key not in record:
-        raise ValueError(f"missing field {key!r}")
-    value = record[key]
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise ValueError(f"field {key!r} is not a number: {value!r}")
-    return float(value)
-
-
-def _string(record: dict[str, Any], key: str) -> str:
-    value = record.get(key)
-    if not isinstance(value, str):
-        raise ValueError(f"field {key!r} is not a string: {value!r}")
-    return value
-
-
-def _phases(record: dict[str, Any]) -> dict[str, float]:
-    phases = record.get("phases") or {}
-    if not isinstance(phases, dict):
-        raise ValueError(f"field 'phases' is not an object: {phases!r}")
-    return {name: _number(phases, name) for name in phases}
 
 
 def _load(path: Path) -> _Run:
@@ -202,10 +220,12 @@ def _load(path: Path) -> _Run:
             raise ScdError(f"{path}:{line_no}: not valid JSON: {exc}") from None
         if not isinstance(record, dict):
             raise ScdError(f"{path}:{line_no}: not a JSON object")
+        if record.get("event") not in _KNOWN_EVENTS:
+            continue
         try:
-            run.add(record)
-        except ValueError as exc:
-            raise ScdError(f"{path}:{line_no}: malformed {record.get('event')} event: {exc}") from None
+            run.add(msgspec.convert(record, _Line))
+        except msgspec.ValidationError as exc:
+            raise ScdError(f"{path}:{line_no}: malformed {record['event']} event: {exc}") from None
     if not run.times:
         raise ScdError(f"{path}: event log has no scd events (empty file?)")
     run.sort()
