@@ -4,6 +4,7 @@ wiring, and tests and bench go through public surfaces."""
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 from tests.conftest import REPO
@@ -111,6 +112,19 @@ def test_tests_and_bench_read_no_private_attribute() -> None:
     assert reads == []
 
 
+# A document outside the repository, or an issue by number: a reader of the repository cannot follow either.
+UNREACHABLE = re.compile(r"DESIGN\.md|DESIGN §|(?<![\w/])shared/\w+[./]|\bissues? #?\d+|(?<![\w&/])#\d+\b",
+                         re.IGNORECASE)
+RELATIVE_LINK = re.compile(r"\]\((?!https?://|mailto:)([^)#\s]+)[^)]*\)")
+
+
 def test_no_reference_to_a_document_the_repository_does_not_hold() -> None:
     cited = [f"{p.relative_to(REPO)}" for p in PACKAGE.rglob("*.py") if "DESIGN §" in p.read_text()]
     assert cited == []
+    documents = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+    assert len(documents) > 1
+    cited = [f"{p.relative_to(REPO)}: {m.group()}" for p in documents for m in UNREACHABLE.finditer(p.read_text())]
+    assert cited == []
+    missing = [f"{p.relative_to(REPO)}: {target}" for p in documents for target in RELATIVE_LINK.findall(p.read_text())
+               if not (p.parent / target).exists()]
+    assert missing == []

