@@ -31,8 +31,8 @@ from bench.gpu_check import summarize_steps
 from bench.summary import merge_and_print
 from scd.config import derive_config
 from scd.daemon import Controller
-from scd.training.init_tiny import TinyLlamaShape, init_tiny
-from scd.training.policy import HFPolicy
+from scd.model.init_tiny import TinyLlamaShape, init_tiny
+from scd.model.policy import HFPolicy
 
 SYNCS = 7
 MODELS = {"tiny": TinyLlamaShape(), "34m": TinyLlamaShape(hidden_size=1024, num_layers=2, num_heads=32)}

@@ -30,7 +30,7 @@ from typing import Any
 import orjson
 
 from scd.checkpoint import layout
-from scd.training.init_tiny import TinyLlamaShape, init_tiny
+from scd.model.init_tiny import TinyLlamaShape, init_tiny
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results"

@@ -31,9 +31,9 @@ from scd.checkpoint import layout
 from scd.checkpoint.save import capture_cut
 from scd.config import Config
 from scd.daemon import Controller, Triggers
+from scd.model.policy import build_policy
 from scd.tasks import build_task
 from scd.training.grpo import GRPOTrainer
-from scd.training.policy import build_policy
 
 RESULTS = REPO / "bench" / "results"
 GOALS = {

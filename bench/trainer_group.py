@@ -35,11 +35,11 @@ import torch
 
 from bench.summary import merge_and_print
 from scd.config import Config, derive_config
+from scd.model.init_tiny import TinyLlamaShape, init_tiny
+from scd.model.policy import build_policy
 from scd.records import Rollout
 from scd.training.group import TrainerGroup
 from scd.training.grpo import GRPOTrainer
-from scd.training.init_tiny import TinyLlamaShape, init_tiny
-from scd.training.policy import build_policy
 
 REPO = Path(__file__).resolve().parents[1]
 GROUPS, ROWS, PAIRS, STEPS = 8, 8, 4, 6

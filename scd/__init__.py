@@ -13,26 +13,31 @@ Layering, bottom to top (a module imports only from layers below it):
    prompt's fate counted per bucket).  Then ``state``: those parts
    together and the only code that mutates them, each mutation under the
    barrier; TQ rows are written through a protocol handed in.
-3. Adapters to the outside world: ``cluster`` (the Ray scd runs on, and the
-   device plan: what the trainer ranks and engines get), ``dataplane`` (TransferQueue on Ray, every
-   call bounded), ``training`` (the policy seam, GRPO, and the trainer as FSDP2 ranks on Ray), ``generation``
-   (torch, vLLM or the synthetic load-testing engine), ``telemetry`` (Prometheus, events,
-   experiment trackers),
-   ``systemd`` (sd_notify), ``reaper`` (a process of its own, standard library only, that
-   kills the embedded Ray's processes when scd dies).
-4. ``rollouts``: a group's life from admission to commit (requests, finished
-   siblings and their staging, scoring, the committer, paced admission); it
-   wakes the pumps through a callback and never sees the controller.
+3. ``model``: the seam trainer and generation share (the policy: tokenizer,
+   model, weights; weights as layer-sized chunks; the tiny models).
+4. Adapters to the outside world: ``cluster`` (the Ray scd runs on, and the
+   device plan: what the trainer ranks and engines get), ``dataplane``
+   (TransferQueue on Ray, every call bounded), ``training`` (GRPO, and the
+   trainer as FSDP2 ranks on Ray), ``generation`` (torch, vLLM or the synthetic
+   load-testing engine; weight sync), ``telemetry`` (Prometheus, typed events,
+   experiment trackers), ``systemd`` (sd_notify), ``reaper`` (a process of its
+   own, standard library only, that kills the embedded Ray's processes when scd
+   dies).  Generation and training never import each other: they meet in
+   ``model``.
+5. ``rollouts``: a group's life from admission to commit (requests, finished
+   siblings and their staging, scoring, the committer, paced admission) and its
+   half of a checkpoint cut (``capture``/``restore``); it wakes the pumps
+   through a callback and never sees the controller or the checkpointer.
    ``goodput``: how busy generation is, its bound, what it wastes; it reads the
-   rollouts, the backend and each train step, never the controller.  ``risk``:
-   the loss window, what a crash now would lose.
-5. ``checkpoint``: the bundle layout, save, restore and offline verify.  It
+   rollouts, the token counter and each train step, never the controller.
+   ``risk``: the loss window, what a crash now would lose.
+6. ``checkpoint``: the bundle layout, save, restore and offline verify.  It
    works on the state, the data plane, the trainer and the rollouts, never the
    controller; restore is one path from bundle to the first admission.
-6. ``daemon``: wiring, the pumps, and the one task group in which every
+7. ``daemon``: wiring, the pumps, and the one task group in which every
    concurrent activity runs.  ``watch``: observing it (/healthz, gauges,
    step rates, stalls, the loop probe, the telemetry sampler).
-7. ``cli``: argument parsing and exit codes.  ``report``: the offline report
+8. ``cli``: argument parsing and exit codes.  ``report``: the offline report
    over the event log.
 
 ``tests/test_layering.py`` checks this order: no import runs up a layer, and

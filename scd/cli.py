@@ -99,8 +99,8 @@ def checkpoint_command(args: argparse.Namespace) -> int:
 
 def model_command(args: argparse.Namespace) -> int:
     """``init-tiny DIR`` writes a model; ``init-tiny --for-config CONFIG`` writes the one CONFIG names if missing."""
-    from scd.training.init_tiny import init_tiny
-    from scd.training.policy import TINY
+    from scd.model.init_tiny import init_tiny
+    from scd.model.policy import TINY
 
     if (args.dir is None) == (args.for_config is None):
         print("scd: error: give a directory or --for-config CONFIG", file=sys.stderr)

@@ -46,6 +46,7 @@ from scd.generation import open_backend
 from scd.generation.base import GenerationBackend, GroupRequest
 from scd.generation.tokens import TokenCounter
 from scd.goodput import GoodputMeter
+from scd.model.policy import Policy, build_policy
 from scd.records import Rollout
 from scd.replay import GroupMeta, rollouts_of
 from scd.rollouts import Rollouts
@@ -57,7 +58,6 @@ from scd.telemetry import metrics
 from scd.telemetry.tracker_hub import event_log
 from scd.training.base import Trainer
 from scd.training.group import open_trainer
-from scd.training.policy import Policy, build_policy
 from scd.watch import Watch
 
 log = logging.getLogger(__name__)

@@ -50,6 +50,7 @@ from scd.config import Config
 from scd.errors import InvariantViolation
 from scd.generation.base import GroupRequest, GroupResult
 from scd.ledger import PromptLedger, PromptState, StagedSiblings
+from scd.model.policy import Policy
 from scd.records import COMPLETE, Completion, PartialSibling, Prefix, Rollout
 from scd.replay import GroupMeta, sample_ids_for
 from scd.samplers import Sampler, gates_dispatch
@@ -57,7 +58,6 @@ from scd.skew import bucket_prompts
 from scd.state import ControllerState
 from scd.tasks import Prompt, score
 from scd.telemetry import metrics
-from scd.training.policy import Policy
 
 log = logging.getLogger(__name__)
 

@@ -202,7 +202,7 @@ def vllm_cpu_config(directory: Path, model_dir: Path, **sections: dict[str, Any]
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A random-init HF Llama with a character tokenizer, made locally (no hub)."""
-    from scd.training.init_tiny import init_tiny
+    from scd.model.init_tiny import init_tiny
 
     return init_tiny(tmp_path_factory.mktemp("models") / "tiny-llama")
 

@@ -15,12 +15,12 @@ from scd.barrier import CheckpointBarrier
 from scd.daemon import Controller, Triggers
 from scd.dataplane import DataPlane
 from scd.ledger import PromptState
+from scd.model.policy import build_policy
 from scd.rollouts import Rollouts
 from scd.samplers import build_sampler
 from scd.state import ControllerState
 from scd.tasks import build_task
 from scd.training.grpo import GRPOTrainer
-from scd.training.policy import build_policy
 from tests.conftest import tiny_config
 
 

@@ -19,9 +19,9 @@ from scd.daemon import Controller, Triggers
 from scd.dataplane import DataPlane
 from scd.generation.base import GroupRequest, GroupResult
 from scd.ledger import PromptState
+from scd.model.policy import SPECIAL_TOKENS, TinyPolicy
 from scd.records import Completion, FinishReason
 from scd.schema import Outcome, Sidecar, Trigger, decode
-from scd.training.policy import SPECIAL_TOKENS, TinyPolicy
 from tests.conftest import tiny_config
 
 ROW_TOKENS = 600

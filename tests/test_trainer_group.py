@@ -16,11 +16,11 @@ import torch
 from scd.checkpoint import layout
 from scd.checkpoint.verify import verify_bundle
 from scd.errors import ConfigError
+from scd.model.policy import build_policy
+from scd.model.weights import ChunkedWeights, layer_chunks
 from scd.records import Rollout
-from scd.training.export import ChunkedWeights, layer_chunks
 from scd.training.group import TrainerGroup
 from scd.training.grpo import GRPOTrainer
-from scd.training.policy import build_policy
 from tests.conftest import ScdProcess, tiny_config, tree_digest, write_config
 from tests.test_process import metric, scrape
 

@@ -35,8 +35,8 @@ from scd.generation.tokens import TokenCounter
 from scd.generation.vllm_backend import VLLMBackend
 from scd.generation.vllm_engine import EngineFailed
 from scd.ledger import PromptState
+from scd.model.policy import HFPolicy, state_copy
 from scd.records import COMPLETE, Completion
-from scd.training.policy import HFPolicy, state_copy
 from tests.conftest import REPO, ScdProcess, vllm_cpu_config
 from tests.support.engines import engines_paused, running_requests, worker_parameters
 from tests.test_prefix_resume import crash_after_a_checkpoint_with_prefixes

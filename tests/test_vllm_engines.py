@@ -32,7 +32,7 @@ from scd.errors import ConfigError
 from scd.generation.base import GroupResult
 from scd.generation.vllm_backend import VLLMBackend
 from scd.generation.vllm_engine import EngineFailed
-from scd.training.policy import HFPolicy
+from scd.model.policy import HFPolicy
 from tests import test_vllm
 from tests.conftest import REPO, SCD, ScdProcess, tree_digest, vllm_cpu_config
 from tests.support.engines import engines_paused

@@ -12,7 +12,7 @@ from scd.generation.base import BackendClass, GenerationBackend
 from scd.generation.synthetic_backend import SyntheticBackend
 from scd.generation.torch_backend import TorchBackend
 from scd.generation.vllm_backend import VLLMBackend
-from scd.training.policy import Policy
+from scd.model.policy import Policy
 
 BACKENDS: dict[str, BackendClass] = {"torch": TorchBackend, "vllm": VLLMBackend, "synthetic": SyntheticBackend}
 

@@ -30,8 +30,8 @@ from typing import Protocol
 import torch
 
 from scd.config import Config
+from scd.model.policy import Policy
 from scd.records import COMPLETE, Completion, PartialSibling, Prefix
-from scd.training.policy import Policy
 
 
 @dataclass(frozen=True, slots=True)

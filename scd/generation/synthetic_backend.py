@@ -28,9 +28,9 @@ import torch
 
 from scd.config import Config
 from scd.generation.base import BusyClock, EngineActivity, GroupRequest, GroupResult, SiblingSink
+from scd.model.policy import Policy
 from scd.records import Completion, FinishReason, PartialSibling, Prefix
 from scd.telemetry import metrics
-from scd.training.policy import Policy
 
 
 @dataclass(slots=True)

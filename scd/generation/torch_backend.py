@@ -13,10 +13,10 @@ import torch.nn.functional as F
 
 from scd.config import Config
 from scd.generation.base import BusyClock, EngineActivity, GroupRequest, GroupResult, SiblingSink
+from scd.model.policy import Policy
+from scd.model.weights import unaliased
 from scd.records import Completion, FinishReason, PartialSibling
 from scd.telemetry import metrics
-from scd.training.export import unaliased
-from scd.training.policy import Policy
 
 
 class TorchBackend:

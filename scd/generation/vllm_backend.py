@@ -47,9 +47,9 @@ from scd.errors import ConfigError
 from scd.generation.base import EngineActivity, GroupRequest, GroupResult, SiblingSink
 from scd.generation.vllm_engine import VLLMEngine, on_every_engine_or_stop, start_engine
 from scd.generation.weight_sync import WeightSync, WeightSyncPath
+from scd.model.policy import Policy
 from scd.records import COMPLETE, Completion, FinishReason, PartialSibling, Prefix
 from scd.telemetry import metrics
-from scd.training.policy import Policy
 
 # vLLM's finish reasons that scd knows; any other (an engine error, say) counts as aborted.
 _FINISH_REASONS = {reason.value: reason for reason in FinishReason}

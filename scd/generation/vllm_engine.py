@@ -24,8 +24,8 @@ from scd.cluster import EngineDevices
 from scd.config import Config
 from scd.errors import ScdError
 from scd.generation.base import BusyClock
+from scd.model.policy import Policy
 from scd.telemetry import metrics
-from scd.training.policy import Policy
 
 log = logging.getLogger(__name__)
 

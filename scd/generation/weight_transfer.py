@@ -54,7 +54,7 @@ from vllm.distributed.weight_transfer.base import (
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
 from scd import reaper
-from scd.training.export import ChunkedWeights, unaliased
+from scd.model.weights import ChunkedWeights, unaliased
 
 log = logging.getLogger(__name__)
 

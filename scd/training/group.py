@@ -34,12 +34,12 @@ import anyio
 from scd.cluster import place_trainer_ranks
 from scd.config import Config
 from scd.errors import ScdError
+from scd.model.policy import Policy
+from scd.model.weights import ChunkedWeights, WeightEntry
 from scd.records import Rollout
 from scd.telemetry import metrics
 from scd.training.base import StepResult, Trainer, TrainerStatistics
-from scd.training.export import ChunkedWeights, WeightEntry
 from scd.training.grpo import GRPOTrainer, combine, completion_tokens
-from scd.training.policy import Policy
 
 log = logging.getLogger(__name__)
 
@@ -117,8 +117,8 @@ def _rank_actor() -> Any:
             import torch
             import torch.distributed as dist
 
+            from scd.model.policy import build_policy
             from scd.training.grpo import GRPOTrainer
-            from scd.training.policy import build_policy
 
             if host.startswith("127."):
                 # gloo and NCCL pick an interface by the host name unless told: loopback stays loopback.

@@ -13,10 +13,10 @@ import torch
 import torch.nn.functional as F
 
 from scd.config import Config
+from scd.model.policy import Policy, state_copy
 from scd.records import Rollout
 from scd.telemetry import metrics
 from scd.training.base import StepResult, StepShare, TrainerStatistics
-from scd.training.policy import Policy, state_copy
 
 
 def combine(shares: Sequence[StepShare], rewards: Sequence[float]) -> StepResult:

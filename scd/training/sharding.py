@@ -20,7 +20,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from scd.config import TrainerConfig
-from scd.training.policy import Policy
+from scd.model.policy import Policy
 
 
 def shard_model(model: nn.Module, policy: Policy, config: TrainerConfig) -> int:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from scd.training.policy import ALPHABET, BOS, EOS, PAD, SPECIAL_TOKENS, UNK
+from scd.model.policy import ALPHABET, BOS, EOS, PAD, SPECIAL_TOKENS, UNK
 
 
 @dataclass(frozen=True, slots=True)
