@@ -121,7 +121,7 @@ def test_sigkilled_scd_leaves_no_ray_process_and_the_next_runs_for_minutes(
         scd = start_scd(config, scd_processes)
         if kill:
             scd.wait_for_line("restored ", timeout=180)
-        scd.wait_for_line("scd.daemon: step ", timeout=180)
+        scd.wait_for_line("scd.watch: step ", timeout=180)
         scd.wait_for_line("checkpoint step_", timeout=60)
         # The trackers' processes, and W&B's service once its tracker has opened, are among those that must go.
         deadline = time.monotonic() + 60
@@ -144,7 +144,7 @@ def test_sigkilled_scd_leaves_no_ray_process_and_the_next_runs_for_minutes(
     started = time.monotonic()
     final = start_scd(config, scd_processes, "--max-steps", str(restored_step + FINAL_STEPS))
     final.wait_for_line(f"restored {newest}: step {restored_step},", timeout=180)
-    final.wait_for_line("scd.daemon: step ", timeout=60)
+    final.wait_for_line("scd.watch: step ", timeout=60)
     ray_processes = processes_of(final)
     assert final.wait(timeout=FINAL_RUN_S + 300) == 0, final.output()[-3000:]
     ran_s = time.monotonic() - started

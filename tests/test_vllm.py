@@ -283,13 +283,14 @@ def test_vllm_with_two_trainer_ranks_checkpoints_is_killed_restores_and_trains_o
         while not set(layout.finalized_bundles(root)) - before and time.monotonic() < deadline:
             time.sleep(0.05)
         [bundle] = set(layout.finalized_bundles(root)) - before
-        prefixes = orjson.loads((bundle / layout.SIDECAR_FILE).read_bytes())["prefixes"]
-        if any(not p[5] for p in prefixes):
+        sidecar = orjson.loads((bundle / layout.SIDECAR_FILE).read_bytes())
+        prefixes, finished = sidecar["prefixes"], sidecar["finished_siblings"]
+        if prefixes:  # part-way ones only; finished siblings are listed apart
             break
         first.wait_for_line(f"step {layout.step_of(bundle) + 1} ")
     verify_bundle(bundle)
     step = layout.step_of(bundle)
-    assert step is not None and any(not p[5] for p in prefixes)
+    assert step is not None and prefixes
     first.kill_group()
     second = ScdProcess(config, "--max-steps", str(step + 3))
     scd_processes.append(second)
@@ -305,10 +306,13 @@ def test_vllm_with_two_trainer_ranks_checkpoints_is_killed_restores_and_trains_o
     assert all(e["logprob_mismatch_tokens"] > 0 and e["logprob_mismatch_max"] < 1e-3 for e in steps)
     # The restore took up every prefix of the cut's version and dropped the older ones, as counted.
     restore = log[restored_at]
+    # A prefix's oldest version is its first run's; a finished sibling's is its own (field 4).
     current = [p for p in prefixes if p[4][0][1] >= step]
-    assert restore["siblings_resumed"] == sum(1 for p in current if not p[5])
-    assert restore["prefix_tokens_reused"] == sum(len(p[2]) for p in current)
-    assert restore["prefix_tokens_dropped"] == sum(len(p[2]) for p in prefixes if p[4][0][1] < step)
+    current_finished = [f for f in finished if f[4] >= step]
+    assert restore["siblings_resumed"] == len(current)
+    assert restore["prefix_tokens_reused"] == sum(len(p[2]) for p in [*current, *current_finished])
+    assert restore["prefix_tokens_dropped"] == (sum(len(p[2]) for p in prefixes if p[4][0][1] < step)
+                                                + sum(len(f[2]) for f in finished if f[4] < step))
     trained = [tuple(p) for e in log[restored_at:] if e["event"] == "train_step" for p in e["prompt_ids"]]
     assert len(trained) == len(set(trained)), "a prompt trained twice"
 
@@ -322,8 +326,9 @@ async def test_vllm_resumes_part_way_siblings_bit_identical_and_goes_on_from_the
                          generation={"max_new_tokens": 24, "max_inflight_prompts": 32},
                          checkpointing={"enabled": True, "dir": str(tmp_path / "checkpoints"), "interval_s": 3600})
     bundle = await crash_after_a_checkpoint_with_prefixes(config, engine)
-    in_bundle = [p for p in orjson.loads((bundle / layout.SIDECAR_FILE).read_bytes())["prefixes"]]
-    part_way = {(p[0], p[1]): p for p in in_bundle if not p[5]}
+    sidecar = orjson.loads((bundle / layout.SIDECAR_FILE).read_bytes())
+    in_bundle = [*sidecar["prefixes"], *sidecar["finished_siblings"]]
+    part_way = {(p[0], p[1]): p for p in sidecar["prefixes"]}
     policy = HFPolicy(config.model)
     restored = policy.build_model().eval()
     restored.load_state_dict(torch.load(bundle / layout.MODEL_FILE, weights_only=True))
