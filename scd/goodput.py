@@ -55,6 +55,11 @@ class _Sample:
     trainer_starved_s: float  # time the trainer waited for a batch
 
 
+def share_of_generated(tokens: int, generated_tokens: int) -> float:
+    """The waste and goodput ratios: 0 before anything was generated."""
+    return tokens / generated_tokens if generated_tokens else 0.0
+
+
 @dataclass(frozen=True, slots=True)
 class GoodputReading:
     engine_busy_ratio: dict[str, float]  # by engine, over the sliding window
@@ -67,11 +72,11 @@ class GoodputReading:
 
     @property
     def waste_ratio(self) -> float:
-        return self.wasted_tokens / self.generated_tokens if self.generated_tokens else 0.0
+        return share_of_generated(self.wasted_tokens, self.generated_tokens)
 
     @property
     def goodput_ratio(self) -> float:
-        return self.trained_tokens / self.generated_tokens if self.generated_tokens else 0.0
+        return share_of_generated(self.trained_tokens, self.generated_tokens)
 
     def event_fields(self) -> dict[str, object]:
         """The ``train_step`` event's goodput fields (``run_*``: counts since the run started)."""

@@ -26,6 +26,7 @@ import msgspec
 import orjson
 
 from scd.errors import ScdError
+from scd.goodput import share_of_generated
 from scd.schema import CheckpointPhase, RestorePhase
 from scd.telemetry.events import Checkpoint, Restore, Sample, Start, TrainStep, tag_of
 
@@ -87,11 +88,11 @@ class GoodputTotals:
 
     @property
     def waste_ratio(self) -> float:
-        return self.wasted_tokens / self.generated_tokens if self.generated_tokens else 0.0
+        return share_of_generated(self.wasted_tokens, self.generated_tokens)
 
     @property
     def goodput_ratio(self) -> float:
-        return self.trained_tokens / self.generated_tokens if self.generated_tokens else 0.0
+        return share_of_generated(self.trained_tokens, self.generated_tokens)
 
 
 @dataclass(frozen=True)
