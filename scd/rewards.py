@@ -58,7 +58,6 @@ _T = TypeVar("_T")
 # waited up to ~40 ms beside 2 computing threads, ~100 ms beside 4, a whole 0.3 s call beside 8.  A reward
 # that waits on I/O is better written ``async def`` than given more threads.
 SYNC_REWARD_THREADS = 4
-BUILTIN_REWARDS = ("match", "exact", "math", "regex")
 HTTP_REWARD = "http"
 
 
@@ -536,7 +535,7 @@ def _loaded(reward: RewardConfig, key: str, base_dir: Path, timeout_s: float) ->
         return _HttpReward(reward.name or HTTP_REWARD, reward.weight, _http_args(reward.args, key), timeout_s)
     module_name, _, attribute = function.partition(":")
     if not module_name or not attribute:
-        raise ConfigError(f"{key}.function", f"must be one of {', '.join(BUILTIN_REWARDS)}, {HTTP_REWARD}, or "
+        raise ConfigError(f"{key}.function", f"must be one of {', '.join(_BUILTINS)}, {HTTP_REWARD}, or "
                                              f"module:function, got {function!r}")
     module = _imported(module_name, base_dir, f"{key}.function")
     target = getattr(module, attribute, None)
