@@ -3,8 +3,8 @@
 Layering, bottom to top (a module imports only from layers below it):
 
 1. ``config``, ``errors``, ``records``, ``tasks``: typed configuration, error
-   types with exit codes, plain records, and the tasks with their one scoring
-   function.  No I/O beyond reading the config and task files.
+   types with exit codes, plain records, and the tasks' prompts and answers.
+   No I/O beyond reading the config and task files.
 2. Controller state, pure parts: ``ledger`` (prompt lifecycle), ``replay``
    (metadata index of ready groups), ``samplers`` (which groups a train step
    may take), ``dataloader`` (seeded prompt order with a cursor), ``barrier``
@@ -20,7 +20,9 @@ Layering, bottom to top (a module imports only from layers below it):
    (TransferQueue on Ray, every call bounded), ``training`` (GRPO, and the
    trainer as FSDP2 ranks on Ray), ``generation`` (torch, vLLM or the synthetic
    load-testing engine; weight sync), ``telemetry`` (Prometheus, typed events,
-   experiment trackers), ``systemd`` (sd_notify), ``reaper`` (a process of its
+   experiment trackers), ``rewards`` (what a completion scores: built-ins, the
+   user's functions on worker threads, a remote scorer over HTTP, every call
+   bounded), ``systemd`` (sd_notify), ``reaper`` (a process of its
    own, standard library only, that kills the embedded Ray's processes when scd
    dies).  Generation and training never import each other: they meet in
    ``model``.

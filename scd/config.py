@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import re
 import tomllib
 from pathlib import Path
@@ -163,6 +164,18 @@ class TrainerConfig(_Section):
     activation_checkpointing: bool = False
 
 
+class RewardConfig(_Section):
+    """One ``[[task.rewards]]`` table; a completion's reward is the weighted sum over them (scd.rewards)."""
+
+    # A built-in ("match", "exact", "math", "regex"), "http" (a remote scorer), or "module:function".
+    function: str
+    weight: float = 1.0
+    # Its label in metrics and in a scored item's components; "" = derived from function.
+    name: str = ""
+    # Passed to the function as keyword arguments (regex: pattern, flags; http: url, timeout_s, ...).
+    args: dict[str, object] = msgspec.field(default_factory=dict)
+
+
 class TaskConfig(_Section):
     name: Literal["reverse", "sort", "jsonl"] = "reverse"
     seed: int = 0
@@ -173,6 +186,12 @@ class TaskConfig(_Section):
     # A JSONL task's column that buckets prompts for skew telemetry (a difficulty, say); "" buckets them by
     # prompt length in tokens, or by completion length where every prompt is as long.
     bucket_field: str = ""
+    # Empty: the character match every task scored with before rewards were configurable ("match").
+    rewards: list[RewardConfig] = msgspec.field(default_factory=list)
+    # Each reward call (an HTTP reward's attempt: its args.timeout_s when set) fails after this long.
+    reward_timeout_s: float = 30.0
+    # A reward that raises, times out or returns no finite number: "stop" the run, or score it 0 and count it.
+    reward_errors: Literal["stop", "zero"] = "stop"
 
 
 class SamplerConfig(_Section):
@@ -282,11 +301,15 @@ class Config(_Section):
             else ""
         gated = {"trainer.groups_per_step": self.trainer.groups_per_step} \
             if self.async_rl.sampler.name != "windowed" else {}
+        task = {k: v for k, v in msgspec.to_builtins(self.task).items() if k not in _TASK_KEYS_NOT_FINGERPRINTED}
+        if not self.task.rewards:
+            # The default reward is the score every run had before rewards were configurable: a bundle
+            # written then keeps its fingerprint.
+            del task["rewards"]
         return {
             **gated,
             "model": msgspec.to_builtins(self.model),
-            # Which column buckets prompts changes what telemetry counts, not what a rollout means.
-            "task": {k: v for k, v in msgspec.to_builtins(self.task).items() if k != "bucket_field"},
+            "task": task,
             "task.content_sha256": task_content,
             "generation.backend": self.generation.backend,
             "generation.group_size": self.generation.group_size,
@@ -299,6 +322,11 @@ class Config(_Section):
     def fingerprint(self) -> str:
         blob = orjson.dumps(self.fingerprint_fields(), option=orjson.OPT_SORT_KEYS)
         return hashlib.sha256(blob).hexdigest()
+
+
+# Which column buckets prompts changes what telemetry counts, and how long a reward may take or what
+# a failed one scores is how the run copes, not what a stored rollout's reward means.
+_TASK_KEYS_NOT_FINGERPRINTED = frozenset({"bucket_field", "reward_timeout_s", "reward_errors"})
 
 
 # msgspec reports the failing location as "$.section.key"; turn it into a dotted key.
@@ -499,6 +527,10 @@ def validate(config: Config) -> None:
     _require(not task.bucket_field or task.name == "jsonl", "task.bucket_field",
              f"names a column of a JSONL task; task.name = {task.name!r} has none (leave it empty to bucket by "
              "prompt length)")
+    _require(task.reward_timeout_s > 0, "task.reward_timeout_s", f"must be > 0, got {task.reward_timeout_s}")
+    for index, reward in enumerate(task.rewards):
+        _require(math.isfinite(reward.weight), f"task.rewards[{index}].weight",
+                 f"must be a finite number, got {reward.weight}")
     _require(tel.goodput_window_s > 0, "telemetry.goodput_window_s", f"must be > 0, got {tel.goodput_window_s}")
     _warn_if_beyond_the_window(config)
 

@@ -38,3 +38,17 @@ class DataPlaneError(ScdError):
 
 class ShortRead(DataPlaneError):
     """TransferQueue answered a read with fewer rows than asked for (it drops unknown keys silently)."""
+
+
+class RewardError(ScdError):
+    """A reward function failed on a completion (raised, timed out, returned no finite number) and
+    ``task.reward_errors = "stop"``: the run stops rather than train on a reward it could not compute."""
+
+    exit_code = EXIT_OTHER
+
+    def __init__(self, reward: str, function: str, prompt_id: int, cause: str, detail: str) -> None:
+        super().__init__(f"reward {reward!r} (function {function!r}) failed on prompt {prompt_id}: {detail}")
+        self.reward = reward
+        self.function = function
+        self.prompt_id = prompt_id
+        self.cause = cause

@@ -53,10 +53,11 @@ from scd.ledger import PromptLedger, PromptState, StagedSiblings
 from scd.model.policy import Policy
 from scd.records import COMPLETE, Completion, PartialSibling, Prefix, Rollout
 from scd.replay import GroupMeta, sample_ids_for
+from scd.rewards import match_score
 from scd.samplers import Sampler, gates_dispatch
 from scd.skew import bucket_prompts
 from scd.state import ControllerState
-from scd.tasks import Prompt, score
+from scd.tasks import Prompt
 from scd.telemetry import metrics
 
 log = logging.getLogger(__name__)
@@ -479,7 +480,7 @@ class Rollouts:
         logprob_rows = logprobs.split([len(c.logprobs) for c in completions])
         return [
             Rollout(input_ids=row_ids, logprobs=row_logprobs, prompt_len=len(req.prompt_ids),
-                    reward=score(self._policy.decode(c.token_ids), answer), weight_version=c.weight_version)
+                    reward=match_score(self._policy.decode(c.token_ids), answer), weight_version=c.weight_version)
             for c, row_ids, row_logprobs in zip(completions, id_rows, logprob_rows, strict=True)
         ]
 

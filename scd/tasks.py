@@ -1,10 +1,10 @@
-"""Built-in verifiable tasks and a JSONL task: prompt text, answer text, and the score.
+"""Built-in verifiable tasks and a JSONL task: prompt text and answer text.
 
 A task is a fixed list of prompts, each with the answer a verifier compares
 against.  Tasks are text: the policy's tokenizer turns a prompt into tokens and
-a completion back into text, and ``score`` is the one place a completion is
-judged.  A completion may use as many tokens as its answer has, so the score is
-the fraction of answer positions the completion's text matches.
+a completion back into text, and ``scd.rewards`` judges the text.  A completion
+may use as many tokens as its answer has, so the default reward is the fraction
+of answer positions the completion's text matches.
 """
 
 from __future__ import annotations
@@ -30,12 +30,6 @@ class Prompt:
     text: str  # exactly what the model is shown
     answer: str
     bucket: str = ""  # the value of ``task.bucket_field`` (a JSONL task's column), for skew telemetry
-
-
-def score(completion: str, answer: str) -> float:
-    """Fraction of answer characters the completion text matches, position by position."""
-    hits = sum(1 for got, want in zip(completion, answer, strict=False) if got == want)
-    return hits / len(answer)
 
 
 def build_task(config: TaskConfig) -> list[Prompt]:

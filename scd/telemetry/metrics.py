@@ -97,6 +97,17 @@ buffer_capacity_groups = Gauge(
     ["limit"],
 )
 
+# ---- rewards (scd.rewards) ---------------------------------------------------------------------
+reward = Histogram(
+    "scd_reward", "Each reward function's unweighted value per completion (a dict-returning one's parts as name/part)",
+    ["name"], buckets=(-1.0, 0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0, 2.0, 5.0),
+)
+reward_errors = Counter(
+    "scd_reward_errors",
+    "Reward calls that failed, by reward and cause (exception, not_finite, not_a_number, timeout, stuck, http, "
+    "malformed)", ["name", "cause"],
+)
+
 # ---- checkpointing ----------------------------------------------------------------------------
 _PHASE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 checkpoint_phase = Histogram(

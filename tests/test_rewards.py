@@ -1,0 +1,491 @@
+"""Rewards: the built-ins on hand-made completions, Python rewards from the config's directory, weights
+and parts, every way a reward can fail (stopping the run, or scoring 0 and counted), user code kept off
+the event loop, and the HTTP scorer against a real server on 127.0.0.1."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import sys
+import textwrap
+import time
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import anyio
+import orjson
+import pytest
+from aiohttp import web
+from prometheus_client import REGISTRY
+
+from scd.config import TaskConfig, parse_config
+from scd.errors import EXIT_OTHER, ConfigError, RewardError
+from scd.rewards import SYNC_REWARD_THREADS, RewardInput, Scored, load_rewards, match_score
+from tests.conftest import free_port
+
+
+def task_config(*rewards: dict[str, Any], **keys: Any) -> TaskConfig:
+    return parse_config({"task": {"rewards": list(rewards), **keys}}, Path.cwd()).task
+
+
+def item(completion: str, answer: Any = "", *, prompt: Any = "p", prompt_id: int = 0,
+         row: dict[str, Any] | None = None) -> RewardInput:
+    return RewardInput(prompt_id=prompt_id, prompt=prompt, completion=completion, answer=answer, row=row or {})
+
+
+def write_module(directory: Path, source: str) -> str:
+    """A module of reward functions in ``directory``, under a name no other test imported."""
+    name = f"scd_test_rewards_{uuid.uuid4().hex[:8]}"
+    (directory / f"{name}.py").write_text(textwrap.dedent(source))
+    return name
+
+
+async def scored(config: TaskConfig, items: list[RewardInput], base_dir: Path | None = None) -> list[Scored]:
+    async with contextlib.aclosing(load_rewards(config, base_dir or Path.cwd())) as scorer:
+        return await scorer.score(items)
+
+
+def errors_counted(name: str, cause: str) -> float:
+    return REGISTRY.get_sample_value("scd_reward_errors_total", {"name": name, "cause": cause}) or 0.0
+
+
+# ---- configuration -----------------------------------------------------------------------------
+
+
+async def test_no_rewards_configured_is_the_character_match_as_before() -> None:
+    results = await scored(TaskConfig(), [item("1243", "1234"), item("4321", "1234")])
+    assert results == [Scored(total=match_score("1243", "1234"), components={"match": 0.5}),
+                       Scored(total=0.0, components={"match": 0.0})]
+
+
+def test_the_fingerprint_counts_the_rewards_not_how_failures_are_handled(tmp_path: Path) -> None:
+    default = parse_config({}, tmp_path)
+    assert "rewards" not in default.fingerprint_fields()["task"]  # a bundle from before rewards keeps its fingerprint
+    handled = parse_config({"task": {"reward_timeout_s": 5.0, "reward_errors": "zero"}}, tmp_path)
+    assert handled.fingerprint() == default.fingerprint()
+    exact = parse_config({"task": {"rewards": [{"function": "exact"}]}}, tmp_path)
+    assert exact.fingerprint() != default.fingerprint()
+
+
+@pytest.mark.parametrize(("task", "key"), [
+    ({"rewards": [{"function": "exact", "weight": math.nan}]}, "task.rewards[0].weight"),
+    ({"rewards": [{"weight": 1.0}]}, "task.rewards[0]"),
+    ({"reward_timeout_s": 0.0}, "task.reward_timeout_s"),
+    ({"reward_errors": "ignore"}, "task.reward_errors"),
+])
+def test_a_bad_reward_setting_names_its_key(tmp_path: Path, task: dict[str, Any], key: str) -> None:
+    with pytest.raises(ConfigError) as caught:
+        parse_config({"task": task}, tmp_path)
+    assert caught.value.key == key
+
+
+@pytest.fixture(scope="module")
+def modules(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, str]]:
+    directory = tmp_path_factory.mktemp("reward_modules")
+    good = write_module(directory, "def reward(prompt, completion, answer, row):\n    return 1.0\n")
+    broken = write_module(directory, "raise RuntimeError('broken at import')\n")
+    return directory, {"good": good, "broken": broken}
+
+
+@pytest.mark.parametrize(("rewards", "key"), [
+    ([{"function": "scd_no_such_module:reward"}], "task.rewards[0].function"),
+    ([{"function": "{broken}:reward"}], "task.rewards[0].function"),
+    ([{"function": "exact"}, {"function": "{good}:missing"}], "task.rewards[1].function"),
+    ([{"function": "mth"}], "task.rewards[0].function"),
+    ([{"function": "{good}:reward", "args": {"bonus": 1}}], "task.rewards[0].args"),
+    ([{"function": "exact", "args": {"strict": True}}], "task.rewards[0].args"),
+    ([{"function": "regex"}], "task.rewards[0].args.pattern"),
+    ([{"function": "regex", "args": {"pattern": "(unclosed"}}], "task.rewards[0].args.pattern"),
+    ([{"function": "regex", "args": {"pattern": "x", "flags": "iq"}}], "task.rewards[0].args.flags"),
+    ([{"function": "http"}], "task.rewards[0].args.url"),
+    ([{"function": "http", "args": {"url": "ftp://127.0.0.1/score"}}], "task.rewards[0].args.url"),
+    ([{"function": "http", "args": {"url": "http://127.0.0.1/score", "retry": 1}}], "task.rewards[0].args.retry"),
+    ([{"function": "http", "args": {"url": "http://127.0.0.1/score", "batch_size": 0}}],
+     "task.rewards[0].args.batch_size"),
+    ([{"function": "exact"}, {"function": "exact"}], "task.rewards[1].name"),
+    ([{"function": "exact", "name": "a/b"}], "task.rewards[0].name"),
+])
+def test_a_reward_that_cannot_be_resolved_names_its_key(
+        modules: tuple[Path, dict[str, str]], rewards: list[dict[str, Any]], key: str) -> None:
+    directory, names = modules
+    rewards = [{**r, "function": r["function"].format(**names)} for r in rewards]
+    with pytest.raises(ConfigError) as caught:
+        load_rewards(task_config(*rewards), directory)
+    assert caught.value.key == key
+
+
+def test_a_module_comes_from_the_config_directory_first_then_sys_path(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    config_dir, elsewhere = tmp_path / "config", tmp_path / "elsewhere"
+    config_dir.mkdir()
+    elsewhere.mkdir()
+    name = write_module(elsewhere, "def reward(prompt, completion, answer, row):\n    return 0.0\n")
+    (config_dir / f"{name}.py").write_text("def reward(prompt, completion, answer, row):\n    return 1.0\n")
+    monkeypatch.syspath_prepend(str(elsewhere))
+    load_rewards(task_config({"function": f"{name}:reward"}), config_dir)
+    assert sys.modules[name].__file__ == str(config_dir / f"{name}.py")
+    only_elsewhere = write_module(elsewhere, "def reward(prompt, completion, answer, row):\n    return 0.0\n")
+    load_rewards(task_config({"function": f"{only_elsewhere}:reward"}), config_dir)
+    assert str(config_dir) not in sys.path  # the config's directory was searched for the import only
+
+
+# ---- the built-ins -----------------------------------------------------------------------------
+
+
+async def test_exact_compares_normalized_text() -> None:
+    results = await scored(task_config({"function": "exact"}), [
+        item("  The   Answer\n is 12 ", "the answer is 12"), item(" 12\t", 12), item("12.", 12), item("", "x"),
+    ])
+    assert [r.total for r in results] == [1.0, 1.0, 0.0, 0.0]
+
+
+async def test_math_verifies_the_final_answer() -> None:
+    results = await scored(task_config({"function": "math"}), [
+        item(r"so the ratio is $\boxed{3/4}$", "0.75"),
+        item("The answer is 12", 12),
+        item(r"\boxed{\frac{1}{2}}", r"\frac{1}{2}"),
+        item(r"$\boxed{2/3}$", "0.75"),
+        item("The answer is 13", 12),
+        item("I do not know", 12),
+    ])
+    assert [r.total for r in results] == [1.0, 1.0, 1.0, 0.0, 0.0, 0.0]
+
+
+async def test_regex_rewards_the_format() -> None:
+    think = {"function": "regex", "name": "think", "args": {"pattern": r"^<think>.+</think>", "flags": "s"}}
+    loud = {"function": "regex", "name": "loud", "weight": 0.5, "args": {"pattern": "answer:", "flags": "i"}}
+    results = await scored(task_config(think, loud), [
+        item("<think>a\nb</think> ANSWER: 4"), item("no thinking, answer: 4"), item("<think></think>"),
+    ])
+    assert [r.components for r in results] == [{"think": 1.0, "loud": 1.0}, {"think": 0.0, "loud": 1.0},
+                                               {"think": 0.0, "loud": 0.0}]
+    assert [r.total for r in results] == [1.5, 0.5, 0.0]
+
+
+# ---- Python rewards ----------------------------------------------------------------------------
+
+CUSTOM = """
+import anyio
+
+CALLS = []
+
+def sync_reward(prompt, completion, answer, row):
+    CALLS.append(("sync", prompt, completion, answer, row))
+    return row["difficulty"] * 0.25
+
+async def async_reward(prompt, completion, answer, row, bonus):
+    await anyio.sleep(0)
+    CALLS.append(("async", prompt, completion, answer, row))
+    return {"format": 1.0, "correct": bonus if completion == answer["value"] else 0.0}
+"""
+
+
+async def test_python_rewards_get_the_prompt_and_row_as_given_and_add_up_with_weights(tmp_path: Path) -> None:
+    name = write_module(tmp_path, CUSTOM)
+    config = task_config({"function": f"{name}:sync_reward", "weight": 2.0},
+                         {"function": f"{name}:async_reward", "name": "judge", "args": {"bonus": 0.5}})
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "2+2?"}]
+    answer = {"value": "4", "units": None}
+    row = {"difficulty": 3, "source": "gsm"}
+    before = REGISTRY.get_sample_value("scd_reward_count", {"name": "judge/correct"}) or 0.0
+    results = await scored(config, [item("4", answer, prompt=messages, row=row),
+                                    item("5", answer, prompt="plain text", row=row)], tmp_path)
+    assert results[0] == Scored(total=2.0 * 0.75 + (1.0 + 0.5),
+                                components={"sync_reward": 0.75, "judge/format": 1.0, "judge/correct": 0.5})
+    assert results[1] == Scored(total=2.0 * 0.75 + 1.0,
+                                components={"sync_reward": 0.75, "judge/format": 1.0, "judge/correct": 0.0})
+    calls = sys.modules[name].CALLS
+    assert sorted(calls, key=repr) == sorted([
+        ("sync", messages, "4", answer, row), ("async", messages, "4", answer, row),
+        ("sync", "plain text", "5", answer, row), ("async", "plain text", "5", answer, row),
+    ], key=repr)
+    assert REGISTRY.get_sample_value("scd_reward_count", {"name": "judge/correct"}) == before + 2
+
+
+BAD = """
+import math
+import time
+
+import anyio
+
+def raises(prompt, completion, answer, row):
+    raise ValueError("no verdict")
+
+def nan(prompt, completion, answer, row):
+    return math.nan
+
+def inf(prompt, completion, answer, row):
+    return -math.inf
+
+def text(prompt, completion, answer, row):
+    return "1.0"
+
+def boolean(prompt, completion, answer, row):
+    return True
+
+def nan_part(prompt, completion, answer, row):
+    return {"format": 1.0, "correct": math.nan}
+
+def sleeps(prompt, completion, answer, row):
+    time.sleep(0.5)
+    return 1.0
+
+async def naps(prompt, completion, answer, row):
+    await anyio.sleep(5)
+    return 1.0
+"""
+
+
+@pytest.fixture(scope="module")
+def bad_rewards(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    directory = tmp_path_factory.mktemp("bad_rewards")
+    return directory, write_module(directory, BAD)
+
+
+@pytest.mark.parametrize("reward_errors", ["stop", "zero"])
+@pytest.mark.parametrize(("function", "cause", "said"), [
+    ("raises", "exception", "raised ValueError: no verdict"),
+    ("nan", "not_finite", "returned nan"),
+    ("inf", "not_finite", "returned -inf"),
+    ("text", "not_a_number", "returned '1.0' (str), not a number"),
+    ("boolean", "not_a_number", "returned True (bool), not a number"),
+    ("nan_part", "not_finite", "part 'correct' returned nan"),
+    ("sleeps", "timeout", "took longer than task.reward_timeout_s = 0.1 s"),
+    ("naps", "timeout", "took longer than task.reward_timeout_s = 0.1 s"),
+])
+async def test_a_bad_reward_stops_the_run_naming_itself_or_scores_zero_and_is_counted(
+        bad_rewards: tuple[Path, str], function: str, cause: str, said: str, reward_errors: str) -> None:
+    directory, module = bad_rewards
+    name = f"{function}-{reward_errors}"
+    config = task_config({"function": f"{module}:{function}", "name": name}, {"function": "exact"},
+                         reward_timeout_s=0.1, reward_errors=reward_errors)
+    counted = errors_counted(name, cause)
+    async with contextlib.aclosing(load_rewards(config, directory)) as scorer:
+        if reward_errors == "stop":
+            with pytest.raises(RewardError) as caught:
+                await scorer.score([item("4", "4", prompt_id=7)])
+            assert str(caught.value) == f"reward {name!r} (function '{module}:{function}') failed on prompt 7: {said}"
+            assert (caught.value.cause, caught.value.prompt_id, caught.value.exit_code) == (cause, 7, EXIT_OTHER)
+        else:
+            [result] = await scorer.score([item("4", "4", prompt_id=7)])
+            assert result == Scored(total=1.0, components={name: 0.0, "exact": 1.0})
+            assert scorer.statistics().errors_zeroed == 1
+        stats = scorer.statistics()
+    assert (stats.errors, stats.timeouts) == (1, int(cause == "timeout"))
+    assert errors_counted(name, cause) == counted + 1
+
+
+# ---- user code off the event loop --------------------------------------------------------------
+
+BLOCKING = """
+import time
+
+def spins(prompt, completion, answer, row):
+    end = time.perf_counter() + 0.5
+    while time.perf_counter() < end:
+        pass
+    return 1.0
+
+def sleeps(prompt, completion, answer, row):
+    time.sleep(row["sleep_s"])
+    return 1.0
+"""
+
+
+async def test_sync_rewards_do_not_block_the_event_loop(tmp_path: Path) -> None:
+    name = write_module(tmp_path, BLOCKING)
+    config = task_config({"function": f"{name}:spins"}, {"function": f"{name}:sleeps"})
+    gaps: list[float] = []
+    results: list[Scored] = []
+
+    async def tick() -> None:
+        last = time.perf_counter()
+        while True:
+            await anyio.sleep(0.005)
+            now = time.perf_counter()
+            gaps.append(now - last)
+            last = now
+
+    async def score() -> None:
+        results.extend(await scored(config, [item("x", row={"sleep_s": 0.5}) for _ in range(2)], tmp_path))
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(tick)
+        await score()
+        tg.cancel_scope.cancel()
+    assert [r.total for r in results] == [2.0] * 2
+    assert len(gaps) > 10
+    assert max(gaps) < 0.25  # a reward on the loop would stall it for 0.5 s per call
+
+
+async def test_threads_stuck_in_timed_out_calls_are_bounded(tmp_path: Path) -> None:
+    name = write_module(tmp_path, BLOCKING)
+    config = task_config({"function": f"{name}:sleeps", "name": "stuck"}, reward_timeout_s=0.2, reward_errors="zero")
+    async with contextlib.aclosing(load_rewards(config, tmp_path)) as scorer:
+        slow = await scorer.score([item("x", row={"sleep_s": 1.5}) for _ in range(SYNC_REWARD_THREADS)])
+        assert [r.total for r in slow] == [0.0] * SYNC_REWARD_THREADS
+        assert scorer.statistics().threads_abandoned == SYNC_REWARD_THREADS
+        counted = errors_counted("stuck", "stuck")
+        [refused] = await scorer.score([item("x", row={"sleep_s": 0.0})])
+        assert refused.total == 0.0 and errors_counted("stuck", "stuck") == counted + 1
+        with anyio.fail_after(5):
+            while scorer.statistics().threads_abandoned:
+                await anyio.sleep(0.05)
+        [served] = await scorer.score([item("x", row={"sleep_s": 0.0})])
+        assert served.total == 1.0
+
+
+# ---- HTTP --------------------------------------------------------------------------------------
+
+
+class RewardServer:
+    """A remote scorer on 127.0.0.1: an item scores len(completion) / 10, or two parts when its row asks.
+
+    ``mode`` makes it misbehave: "503" for the first ``failures`` requests, "400", "short" (one reward
+    too few), or "slow" (answers after a second)."""
+
+    def __init__(self, *, mode: str = "ok", failures: int = 0, delay_s: float = 0.0) -> None:
+        self.mode, self.failures, self.delay_s = mode, failures, delay_s
+        self.requests = self.answered = self.inflight = self.max_inflight = 0
+        self.batch_sizes: list[int] = []
+        self.port = 0
+        self._runner: web.AppRunner | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/score"
+
+    async def start(self) -> None:
+        app = web.Application()
+        app.router.add_post("/score", self._score)
+        # No grace at shutdown: a request in flight is cut off, as when the process dies.
+        self._runner = web.AppRunner(app, shutdown_timeout=0.0)
+        await self._runner.setup()
+        await web.TCPSite(self._runner, "127.0.0.1", self.port).start()
+        self.port = self._runner.addresses[0][1]
+
+    async def stop(self) -> None:
+        assert self._runner is not None
+        await self._runner.cleanup()
+
+    async def _score(self, request: web.Request) -> web.Response:
+        self.requests += 1
+        self.inflight += 1
+        self.max_inflight = max(self.max_inflight, self.inflight)
+        try:
+            items = orjson.loads(await request.read())["items"]
+            self.batch_sizes.append(len(items))
+            await anyio.sleep(1.0 if self.mode == "slow" else self.delay_s)
+            if self.mode == "503" and self.requests <= self.failures:
+                return web.Response(status=503)
+            if self.mode == "400":
+                return web.Response(status=400, text="no such task")
+            rewards: list[Any] = [{"a": 0.5, "b": 0.25} if i["row"].get("parts") else len(i["completion"]) / 10
+                                  for i in items]
+            if self.mode == "short":
+                rewards.pop()
+            self.answered += 1
+            return web.Response(body=orjson.dumps({"rewards": rewards}), content_type="application/json")
+        finally:
+            self.inflight -= 1
+
+
+@contextlib.asynccontextmanager
+async def serving(server: RewardServer) -> AsyncIterator[RewardServer]:
+    await server.start()
+    try:
+        yield server
+    finally:
+        await server.stop()
+
+
+def http_config(url: str, reward_errors: str = "stop", **args: Any) -> TaskConfig:
+    return task_config({"function": "http", "name": "remote", "args": {"url": url, "backoff_s": 0.01, **args}},
+                       reward_errors=reward_errors)
+
+
+async def test_http_scores_in_batches_with_the_items_fields() -> None:
+    async with serving(RewardServer()) as server:
+        items = [item("a" * n, {"n": n}, prompt=[{"role": "user", "content": "go"}], row={"parts": n == 3})
+                 for n in range(1, 6)]
+        results = await scored(http_config(server.url, batch_size=2), items)
+    assert sorted(server.batch_sizes) == [1, 2, 2]
+    assert [r.total for r in results] == [0.1, 0.2, 0.75, 0.4, 0.5]
+    assert results[2].components == {"remote/a": 0.5, "remote/b": 0.25}
+
+
+async def test_http_keeps_to_its_concurrency_limit_across_groups() -> None:
+    async with serving(RewardServer(delay_s=0.05)) as server:
+        async with contextlib.aclosing(load_rewards(http_config(server.url, batch_size=2, max_concurrency=3),
+                                                    Path.cwd())) as scorer:
+            results: list[list[Scored]] = [[], []]
+
+            async def group(index: int) -> None:
+                results[index] = await scorer.score([item("ab") for _ in range(10)])
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(group, 0)
+                tg.start_soon(group, 1)
+    assert server.requests == 10
+    assert 2 <= server.max_inflight <= 3
+    assert [r.total for rs in results for r in rs] == [0.2] * 20
+
+
+async def test_http_retries_a_server_that_answers_503_until_it_recovers() -> None:
+    async with serving(RewardServer(mode="503", failures=2)) as server:
+        async with contextlib.aclosing(load_rewards(http_config(server.url, retries=3), Path.cwd())) as scorer:
+            [result] = await scorer.score([item("abc")])
+            stats = scorer.statistics()
+    assert result.total == pytest.approx(0.3)
+    assert (server.requests, stats.http_retries, stats.calls) == (3, 2, 3)
+
+
+async def test_http_survives_a_server_restart_within_the_retry_budget() -> None:
+    server = RewardServer(delay_s=0.2)
+    await server.start()
+    config = http_config(server.url, batch_size=2, max_concurrency=1, retries=6, backoff_s=0.05)
+
+    async def restart() -> None:
+        while not server.answered:
+            await anyio.sleep(0.005)
+        await server.stop()  # cuts off the next batch's request
+        await anyio.sleep(0.3)
+        await server.start()  # on the same port
+
+    try:
+        async with contextlib.aclosing(load_rewards(config, Path.cwd())) as scorer:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(restart)
+                results = await scorer.score([item("a" * n) for n in range(1, 7)])
+            stats = scorer.statistics()
+    finally:
+        await server.stop()
+    assert [r.total for r in results] == pytest.approx([0.1, 0.2, 0.3, 0.4, 0.5, 0.6])
+    assert stats.http_retries >= 1 and stats.errors == 0
+
+
+async def test_http_to_a_dead_server_exhausts_its_retries() -> None:
+    url = f"http://127.0.0.1:{free_port()}/score"
+    with pytest.raises(RewardError) as caught:
+        await scored(http_config(url, retries=2), [item("a", prompt_id=3)])
+    assert caught.value.cause == "http" and caught.value.prompt_id == 3
+    assert url in str(caught.value) and "2 retries spent" in str(caught.value)
+    async with contextlib.aclosing(load_rewards(http_config(url, "zero", retries=2), Path.cwd())) as scorer:
+        results = await scorer.score([item("a"), item("b")])
+        stats = scorer.statistics()
+    assert [r.components for r in results] == [{"remote": 0.0}] * 2
+    assert (stats.calls, stats.http_retries, stats.errors_zeroed) == (3, 2, 2)
+
+
+@pytest.mark.parametrize(("mode", "cause", "requests"), [
+    ("400", "http", 1), ("short", "malformed", 1), ("slow", "timeout", 2),
+])
+async def test_http_fails_at_once_on_a_refusal_or_a_malformed_answer_and_retries_a_timeout(
+        mode: str, cause: str, requests: int) -> None:
+    async with serving(RewardServer(mode=mode)) as server:
+        with pytest.raises(RewardError) as caught:
+            await scored(http_config(server.url, retries=1, timeout_s=0.2), [item("a"), item("b")])
+    assert caught.value.cause == cause and server.url in str(caught.value)
+    assert server.requests == requests
