@@ -21,6 +21,7 @@ from aiohttp import web
 from prometheus_client import REGISTRY
 
 from scd.config import TaskConfig, parse_config
+from scd.daemon import Controller
 from scd.errors import EXIT_OTHER, ConfigError, RewardError
 from scd.rewards import SYNC_REWARD_THREADS, RewardInput, Scored, load_rewards, match_score
 from tests.conftest import free_port
@@ -489,3 +490,12 @@ async def test_http_fails_at_once_on_a_refusal_or_a_malformed_answer_and_retries
             await scored(http_config(server.url, retries=1, timeout_s=0.2), [item("a"), item("b")])
     assert caught.value.cause == cause and server.url in str(caught.value)
     assert server.requests == requests
+
+
+async def test_the_controller_refuses_configured_rewards_until_the_scoring_stage_calls_them(tmp_path: Path) -> None:
+    config = parse_config({"run": {"output_dir": str(tmp_path)}, "task": {"rewards": [{"function": "exact"}]}},
+                          tmp_path)
+    with pytest.raises(ConfigError) as refused:
+        async with Controller.open(config):
+            pass
+    assert refused.value.key == "task.rewards"
