@@ -170,6 +170,11 @@ BROKEN: list[tuple[str, Callable[[Path], None], str]] = [
     ("step and weight_version disagree",
      lambda b: edit_json(b, layout.TRAINING_INFO_FILE, lambda d: d.update(weight_version=d["weight_version"] + 1)),
      "records step 6 but weight_version 7"),
+    # The cut's own siblings of in-flight groups: one for a group the ledger holds ready is no such sibling.
+    ("finished sibling of a ready group",
+     lambda b: edit_json(b, layout.SIDECAR_FILE, lambda d: d["finished_siblings"].append(
+         [d["groups"][0]["group_id"], 0, [5], [-1.0], 6, "stop"])),
+     "does not hold in flight"),
 ]
 
 
@@ -450,8 +455,8 @@ async def test_io_failures_are_retried_then_stop_the_daemon_leaving_bundles_inta
     assert not layout.leftover_tmp_dirs(root)
 
 
-@pytest.mark.parametrize(("name", "breaker", "message"), BROKEN[:3] + BROKEN[6:10] + BROKEN[-1:], ids=[
-    b[0] for b in BROKEN[:3] + BROKEN[6:10] + BROKEN[-1:]])
+@pytest.mark.parametrize(("name", "breaker", "message"), BROKEN[:3] + BROKEN[6:10] + BROKEN[-2:], ids=[
+    b[0] for b in BROKEN[:3] + BROKEN[6:10] + BROKEN[-2:]])
 def test_scd_checkpoint_verify_rejects_offline(golden: dict[str, Any], tmp_path: Path, name: str,
                                                breaker: Callable[[Path], None], message: str) -> None:
     root = copy_bundles(golden, tmp_path)

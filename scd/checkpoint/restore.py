@@ -25,7 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import NoReturn, TypeVar
+from typing import TypeVar
 
 import anyio
 import msgspec
@@ -46,11 +46,11 @@ from scd.dataloader import DataloaderState, PromptOrder
 from scd.dataplane import DataPlane
 from scd.errors import ConfigError, InvariantViolation
 from scd.generation.base import GenerationBackend
-from scd.ledger import PromptLedger, PromptState, staged_key
-from scd.records import Completion, FinishReason, Prefix
+from scd.ledger import PromptState, staged_key
+from scd.records import Completion
 from scd.replay import ReplayIndex, require_cut_inventory, require_exact_inventory
-from scd.rollouts import Rollouts, RolloutsCut
-from scd.schema import RestorePhase, RunIdentity, SchemaError, Sidecar, TrainingInfo, Trigger, decode
+from scd.rollouts import Rollouts
+from scd.schema import RestorePhase, RunIdentity, SchemaError, TrainingInfo, Trigger, decode
 from scd.state import ControllerState, Restored
 from scd.telemetry import metrics
 from scd.telemetry.events import EventLog, Restore
@@ -239,8 +239,6 @@ async def restore_state(config: Config, parts: RestoreParts, restore_from: Path 
     check_against_config(config, state, verified, allow_config_change)
     sidecar = verified.sidecar
     shadow = not state.sampler.supports_replay_checkpoint
-    rollouts_cut = verify_or_point_elsewhere(bundle, explicit, lambda: checked_rollouts_cut(
-        bundle, sidecar, verified.ledger, info.weight_version, config.generation.group_size))
     buckets = state.fates.buckets
     if sidecar.prompt_fates and set(sidecar.prompt_fates) != set(buckets.labels):
         log.warning("%s counted prompt fates in buckets %s; this run buckets by %s into %s: only the buckets "
@@ -290,7 +288,7 @@ async def restore_state(config: Config, parts: RestoreParts, restore_from: Path 
     ))
     clock.lap(RestorePhase.LEDGER)
 
-    siblings = await parts.rollouts.restore(rollouts_cut, await read_staged_siblings(state, dataplane),
+    siblings = await parts.rollouts.restore(verified.rollouts, await read_staged_siblings(state, dataplane),
                                             resumable=parts.generation.resumable, shadow=shadow)
     clock.lap(RestorePhase.SIBLINGS)
     evicted = await parts.rollouts.evict_stale(at_restore=True)
@@ -325,56 +323,6 @@ async def read_staged_siblings(state: ControllerState, dataplane: DataPlane) -> 
     for (group_id, index, version), (token_ids, logprobs, finish) in zip(staged, read, strict=True):
         siblings.setdefault(group_id, {})[index] = Completion(token_ids, logprobs, finish, version)
     return siblings
-
-
-def checked_rollouts_cut(bundle: Path, sidecar: Sidecar, ledger: PromptLedger, weight_version: int,
-                         group_size: int) -> RolloutsCut:
-    """The bundle's siblings of in-flight groups it did not stage, each checked against its cut: exit 3
-    naming the group of the first that is wrong.
-
-    Each belongs to a sibling of a group in flight at the cut, not staged there, listed once; its tokens
-    and logprobs are as many, and no version is above the cut's (taken at the cut, before the next step).
-    A prefix's version runs start at its first token and ascend; a finished sibling ends in length or stop.
-    """
-    prefixes: dict[str, dict[int, Prefix]] = {}
-    finished: dict[str, dict[int, Completion]] = {}
-    seen: set[tuple[str, int]] = set()
-
-    def checked(what: str, group_id: str, index: int, tokens: int, logprobs: int) -> Callable[[str], NoReturn]:
-        def refuse(why: str) -> NoReturn:
-            raise BundleError(bundle, f"{what} {index} of group {group_id} {why}")
-
-        if ledger.state_of(group_id) is not PromptState.IN_FLIGHT:
-            refuse(f"is for a group the cut's ledger does not hold in flight ({ledger.state_of(group_id)})")
-        if not 0 <= index < group_size or (group_id, index) in seen:
-            refuse(f"names a sibling index out of 0..{group_size - 1}, or one named before")
-        if any(i == index for i, _ in ledger.entry(group_id).staged):
-            refuse("is for a sibling the cut staged")
-        if tokens == 0 or logprobs != tokens:
-            refuse(f"holds {tokens} tokens and {logprobs} logprobs")
-        seen.add((group_id, index))
-        return refuse
-
-    for p in sidecar.prefixes:
-        refuse = checked("the prefix of sibling", p.group_id, p.index, len(p.token_ids), len(p.logprobs))
-        starts = [start for start, _ in p.version_runs]
-        versions = [version for _, version in p.version_runs]
-        if not starts or starts[0] != 0 or starts != sorted(set(starts)) or starts[-1] >= len(p.token_ids):
-            refuse(f"has version runs starting at {starts} for {len(p.token_ids)} tokens")
-        if versions != sorted(versions) or versions[0] < 0 or versions[-1] > weight_version:
-            refuse(f"has token versions {versions}, above the cut's weight version {weight_version} or "
-                   "out of order")
-        prefixes.setdefault(p.group_id, {})[p.index] = Prefix(
-            tuple(p.token_ids), tuple(p.logprobs), tuple((start, version) for start, version in p.version_runs))
-    for f in sidecar.finished_siblings:
-        refuse = checked("finished sibling", f.group_id, f.index, len(f.token_ids), len(f.logprobs))
-        if not 0 <= f.weight_version <= weight_version:
-            refuse(f"has weight version {f.weight_version}, above the cut's {weight_version} or negative")
-        if f.finish_reason not in (FinishReason.LENGTH.value, FinishReason.STOP.value):
-            refuse(f"ends {f.finish_reason!r}")
-        finished.setdefault(f.group_id, {})[f.index] = Completion(
-            f.token_ids, f.logprobs, FinishReason(f.finish_reason), f.weight_version)
-    return RolloutsCut(finished, prefixes)
 
 
 async def record_restore(report: RestoreReport, events: EventLog) -> None:

@@ -1,5 +1,9 @@
 """Offline verification of a bundle: everything that can be checked without loading TQ.
 
+``scd checkpoint verify`` and restore run the same checks on a bundle's own content (``verify_bundle``
+is ``verify_files`` then ``read_metadata``, which restore calls in turn), so a bundle that verifies is
+one restore reads; restore then checks it against the run's config (``check_against_config``).
+
 ``verify_bundle`` never unpickles anything: TQ's files are checked by digest (BLAKE3)
 against ``training_info.json`` (recorded right after the live exact-inventory
 check), so a tampered ``data_plane/`` is rejected before TQ would load it.
@@ -10,15 +14,19 @@ its own: a group can only ever name its own rows.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NoReturn
 
 from scd.checkpoint import layout
 from scd.config import Config
 from scd.dataloader import PromptOrder
 from scd.errors import InvariantViolation
 from scd.ledger import PromptLedger, PromptState, group_id_for
+from scd.records import Completion, FinishReason, Prefix
 from scd.replay import GroupMeta, ReplayIndex, sample_ids_for
+from scd.rollouts import RolloutsCut
 from scd.samplers import DispatchView, SamplerStateError
 from scd.schema import DataloaderDocument, SchemaError, Sidecar, TrainingInfo, decode
 from scd.state import ControllerState
@@ -41,6 +49,7 @@ class VerifiedBundle:
     dataloader: DataloaderDocument
     ledger: PromptLedger
     index: ReplayIndex  # the sidecar's groups, checked one by one and against the recorded digest
+    rollouts: RolloutsCut  # the cut's own siblings of in-flight groups, each checked against the cut
 
 
 def legacy_replay_error(path: Path) -> BundleError:
@@ -150,7 +159,58 @@ def read_metadata(bundle: Path, info: TrainingInfo) -> VerifiedBundle:
     _require(ready == {g.group_id for g in sidecar.groups}, bundle,
              "ledger's ready prompts and the sidecar's groups differ")
     _require(dataloader.epoch == info.epoch, bundle, "dataloader epoch differs from training_info")
-    return VerifiedBundle(bundle, info, sidecar, dataloader, ledger, index)
+    rollouts = checked_rollouts_cut(bundle, sidecar, ledger, info.weight_version, info.group_size)
+    return VerifiedBundle(bundle, info, sidecar, dataloader, ledger, index, rollouts)
+
+
+def checked_rollouts_cut(bundle: Path, sidecar: Sidecar, ledger: PromptLedger, weight_version: int,
+                         group_size: int) -> RolloutsCut:
+    """The bundle's siblings of in-flight groups it did not stage, each checked against its cut: exit 3
+    naming the group of the first that is wrong.
+
+    Each belongs to a sibling of a group in flight at the cut, not staged there, listed once; its tokens
+    and logprobs are as many, and no version is above the cut's (taken at the cut, before the next step).
+    A prefix's version runs start at its first token and ascend; a finished sibling ends in length or stop.
+    """
+    prefixes: dict[str, dict[int, Prefix]] = {}
+    finished: dict[str, dict[int, Completion]] = {}
+    seen: set[tuple[str, int]] = set()
+
+    def checked(what: str, group_id: str, index: int, tokens: int, logprobs: int) -> Callable[[str], NoReturn]:
+        def refuse(why: str) -> NoReturn:
+            raise BundleError(bundle, f"{what} {index} of group {group_id} {why}")
+
+        if ledger.state_of(group_id) is not PromptState.IN_FLIGHT:
+            refuse(f"is for a group the cut's ledger does not hold in flight ({ledger.state_of(group_id)})")
+        if not 0 <= index < group_size or (group_id, index) in seen:
+            refuse(f"names a sibling index out of 0..{group_size - 1}, or one named before")
+        if any(i == index for i, _ in ledger.entry(group_id).staged):
+            refuse("is for a sibling the cut staged")
+        if tokens == 0 or logprobs != tokens:
+            refuse(f"holds {tokens} tokens and {logprobs} logprobs")
+        seen.add((group_id, index))
+        return refuse
+
+    for p in sidecar.prefixes:
+        refuse = checked("the prefix of sibling", p.group_id, p.index, len(p.token_ids), len(p.logprobs))
+        starts = [start for start, _ in p.version_runs]
+        versions = [version for _, version in p.version_runs]
+        if not starts or starts[0] != 0 or starts != sorted(set(starts)) or starts[-1] >= len(p.token_ids):
+            refuse(f"has version runs starting at {starts} for {len(p.token_ids)} tokens")
+        if versions != sorted(versions) or versions[0] < 0 or versions[-1] > weight_version:
+            refuse(f"has token versions {versions}, above the cut's weight version {weight_version} or "
+                   "out of order")
+        prefixes.setdefault(p.group_id, {})[p.index] = Prefix(
+            tuple(p.token_ids), tuple(p.logprobs), tuple((start, version) for start, version in p.version_runs))
+    for f in sidecar.finished_siblings:
+        refuse = checked("finished sibling", f.group_id, f.index, len(f.token_ids), len(f.logprobs))
+        if not 0 <= f.weight_version <= weight_version:
+            refuse(f"has weight version {f.weight_version}, above the cut's {weight_version} or negative")
+        if f.finish_reason not in (FinishReason.LENGTH.value, FinishReason.STOP.value):
+            refuse(f"ends {f.finish_reason!r}")
+        finished.setdefault(f.group_id, {})[f.index] = Completion(
+            f.token_ids, f.logprobs, FinishReason(f.finish_reason), f.weight_version)
+    return RolloutsCut(finished, prefixes)
 
 
 def check_against_config(config: Config, state: ControllerState, verified: VerifiedBundle,
