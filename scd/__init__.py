@@ -20,9 +20,9 @@ Layering, bottom to top (a module imports only from layers below it):
    (TransferQueue on Ray, every call bounded), ``training`` (GRPO, and the
    trainer as FSDP2 ranks on Ray), ``generation`` (torch, vLLM or the synthetic
    load-testing engine; weight sync), ``telemetry`` (Prometheus, typed events,
-   experiment trackers), ``rewards`` (what a completion scores: built-ins, the
-   user's functions on worker threads, a remote scorer over HTTP, every call
-   bounded), ``systemd`` (sd_notify), ``reaper`` (a process of its
+   experiment trackers), ``rewards`` (what a completion scores: built-ins and the
+   user's sync functions in worker processes, async ones on the loop, a remote
+   scorer over HTTP, every call bounded), ``systemd`` (sd_notify), ``reaper`` (a process of its
    own, standard library only, that kills the embedded Ray's processes when scd
    dies).  Generation and training never import each other: they meet in
    ``model``.

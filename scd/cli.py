@@ -19,6 +19,7 @@ from scd.cluster import plan_devices
 from scd.config import Config, load_config
 from scd.daemon import Controller, Triggers
 from scd.errors import EXIT_CONFIG, EXIT_INVARIANT, EXIT_OK, EXIT_OTHER, ScdError
+from scd.rewards import resolve_rewards
 from scd.samplers import build_sampler
 from scd.telemetry.events import Start
 from scd.telemetry.http import open_listener, serve_http
@@ -178,8 +179,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(write_report(args.events, args.out))
             return EXIT_OK
         config = load_config(args.config)
-        # A custom sampler, the trackers' packages and the device plan are checked here, before Ray or
-        # any engine starts.
+        # The rewards, a custom sampler, the trackers' packages and the device plan are checked here, before
+        # Ray or any engine starts.  A reward that does not resolve is named here, before the controller
+        # says that configured rewards are not scored yet.
+        resolve_rewards(config.task, Path(args.config).resolve().parent)
         build_sampler(config)
         require_tracker_packages(config.telemetry)
         plan_devices(config)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import math
+import os
 import re
 import tomllib
 from pathlib import Path
@@ -192,6 +193,13 @@ class TaskConfig(_Section):
     reward_timeout_s: float = 30.0
     # A reward that raises, times out or returns no finite number: "stop" the run, or score it 0 and count it.
     reward_errors: Literal["stop", "zero"] = "stop"
+    # Worker processes that run the sync rewards (the built-ins included); "auto": the cores this process
+    # may run on, less one, at least 1.
+    reward_workers: int | Literal["auto"] = "auto"
+
+    def reward_worker_count(self) -> int:
+        """``reward_workers`` as a number: "auto" leaves one core to the event loop and the trainer."""
+        return max(1, len(os.sched_getaffinity(0)) - 1) if self.reward_workers == "auto" else self.reward_workers
 
 
 class SamplerConfig(_Section):
@@ -324,9 +332,9 @@ class Config(_Section):
         return hashlib.sha256(blob).hexdigest()
 
 
-# Which column buckets prompts changes what telemetry counts, and how long a reward may take or what
-# a failed one scores is how the run copes, not what a stored rollout's reward means.
-_TASK_KEYS_NOT_FINGERPRINTED = frozenset({"bucket_field", "reward_timeout_s", "reward_errors"})
+# Which column buckets prompts changes what telemetry counts, and how long a reward may take, what a
+# failed one scores or how many processes score is how the run copes, not what a stored rollout's reward means.
+_TASK_KEYS_NOT_FINGERPRINTED = frozenset({"bucket_field", "reward_timeout_s", "reward_errors", "reward_workers"})
 
 
 # msgspec reports the failing location as "$.section.key"; turn it into a dotted key.
@@ -528,6 +536,8 @@ def validate(config: Config) -> None:
              f"names a column of a JSONL task; task.name = {task.name!r} has none (leave it empty to bucket by "
              "prompt length)")
     _require(task.reward_timeout_s > 0, "task.reward_timeout_s", f"must be > 0, got {task.reward_timeout_s}")
+    _require(task.reward_workers == "auto" or task.reward_workers >= 1, "task.reward_workers",
+             f'must be >= 1 or "auto", got {task.reward_workers}')
     for index, reward in enumerate(task.rewards):
         _require(math.isfinite(reward.weight), f"task.rewards[{index}].weight",
                  f"must be a finite number, got {reward.weight}")

@@ -1,11 +1,15 @@
 """Rewards: the built-ins on hand-made completions, Python rewards from the config's directory, weights
-and parts, every way a reward can fail (stopping the run, or scoring 0 and counted), user code kept off
-the event loop, and the HTTP scorer against a real server on 127.0.0.1."""
+and parts, every way a reward can fail (stopping the run, or scoring 0 and counted), sync user code in
+real worker processes (off the event loop, killed at its deadline, dying with scd), and the HTTP scorer
+against a real server on 127.0.0.1."""
 
 from __future__ import annotations
 
 import contextlib
 import math
+import os
+import signal
+import subprocess
 import sys
 import textwrap
 import time
@@ -23,8 +27,8 @@ from prometheus_client import REGISTRY
 from scd.config import TaskConfig, parse_config
 from scd.daemon import Controller
 from scd.errors import EXIT_OTHER, ConfigError, RewardError
-from scd.rewards import SYNC_REWARD_THREADS, RewardInput, Scored, load_rewards, match_score
-from tests.conftest import free_port
+from scd.rewards import RewardInput, Scored, load_rewards, match_score
+from tests.conftest import REPO, SCD, free_port
 
 
 def task_config(*rewards: dict[str, Any], **keys: Any) -> TaskConfig:
@@ -75,6 +79,8 @@ def test_the_fingerprint_counts_the_rewards_not_how_failures_are_handled(tmp_pat
     ({"rewards": [{"weight": 1.0}]}, "task.rewards[0]"),
     ({"reward_timeout_s": 0.0}, "task.reward_timeout_s"),
     ({"reward_errors": "ignore"}, "task.reward_errors"),
+    ({"reward_workers": 0}, "task.reward_workers"),
+    ({"reward_workers": "many"}, "task.reward_workers"),
 ])
 def test_a_bad_reward_setting_names_its_key(tmp_path: Path, task: dict[str, Any], key: str) -> None:
     with pytest.raises(ConfigError) as caught:
@@ -132,6 +138,30 @@ def test_a_module_comes_from_the_config_directory_first_then_sys_path(
     assert str(config_dir) not in sys.path  # the config's directory was searched for the import only
 
 
+def test_reward_workers_auto_leaves_a_core_to_the_loop(tmp_path: Path) -> None:
+    assert task_config().reward_worker_count() == max(1, len(os.sched_getaffinity(0)) - 1)
+    assert task_config(reward_workers=3).reward_worker_count() == 3
+
+
+@pytest.mark.parametrize(("function", "said"), [
+    ("scd_no_such_module:reward", "cannot import 'scd_no_such_module'"),
+    ("{good}:missing", "has no function 'missing'"),
+])
+def test_scd_run_names_a_reward_that_does_not_resolve_and_exits_2_before_ray_starts(
+        modules: tuple[Path, dict[str, str]], function: str, said: str) -> None:
+    directory, names = modules
+    config = directory / f"scd-{uuid.uuid4().hex[:6]}.toml"
+    config.write_text(f'[[task.rewards]]\nfunction = "exact"\n\n[[task.rewards]]\n'
+                      f'function = "{function.format(**names)}"\n')
+    started = time.monotonic()
+    out = subprocess.run([*SCD, "run", str(config)], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2, out.stderr
+    # Named before the controller refuses configured rewards (key task.rewards) as not scored yet.
+    assert "config key 'task.rewards[1].function'" in out.stderr and said in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr
+    assert "ray" not in out.stderr.lower() and time.monotonic() - started < 30
+
+
 # ---- the built-ins -----------------------------------------------------------------------------
 
 
@@ -142,16 +172,45 @@ async def test_exact_compares_normalized_text() -> None:
     assert [r.total for r in results] == [1.0, 1.0, 0.0, 0.0]
 
 
-async def test_math_verifies_the_final_answer() -> None:
+# Each answer with a right and a wrong boxed completion and a right unboxed final line.  Read as plain text
+# first, an answer in LaTeX was its leading integer: 3\sqrt{2} was 3, 2^{10} was 2, 2\pi was 2.
+MATH_ANSWERS = [
+    (r"3\sqrt{2}", r"\boxed{3\sqrt{2}}", r"\boxed{3}", r"The final answer is $3\sqrt{2}$"),
+    (r"2^{10}", r"\boxed{1024}", r"\boxed{2}", "The answer is 1024"),
+    (r"2\pi", r"\boxed{2\pi}", r"\boxed{2}", r"Final answer: $2\pi$"),
+    (r"\frac{1}{2}", r"\boxed{\frac{1}{2}}", r"\boxed{\frac{1}{3}}", "The answer is 0.5"),
+    ("0.75", r"so the ratio is $\boxed{3/4}$", r"$\boxed{2/3}$", "The answer is $3/4$"),
+    (r"(1, 2]", r"\boxed{(1, 2]}", r"\boxed{[1, 2]}", r"The answer is $(1,2]$"),
+    (r"[0, \infty)", r"\boxed{[0, \infty)}", r"\boxed{(0, \infty)}", r"The answer is $[0, \infty)$"),
+    ("12", r"\boxed{12}", r"\boxed{13}", "The answer is 12"),
+    (12, r"\boxed{12}", r"\boxed{1}", "Final answer: 12"),
+]
+
+
+@pytest.mark.parametrize(("answer", "right", "wrong", "final_line"), MATH_ANSWERS,
+                         ids=[str(a[0]) for a in MATH_ANSWERS])
+async def test_math_reads_the_answer_as_latex_and_verifies_the_final_answer(
+        answer: Any, right: str, wrong: str, final_line: str) -> None:
     results = await scored(task_config({"function": "math"}), [
-        item(r"so the ratio is $\boxed{3/4}$", "0.75"),
-        item("The answer is 12", 12),
-        item(r"\boxed{\frac{1}{2}}", r"\frac{1}{2}"),
-        item(r"$\boxed{2/3}$", "0.75"),
-        item("The answer is 13", 12),
-        item("I do not know", 12),
+        item(f"Some work first.\n{right}", answer), item(f"Some work first.\n{wrong}", answer),
+        item(f"Some work first.\n{final_line}", answer),
     ])
-    assert [r.total for r in results] == [1.0, 1.0, 1.0, 0.0, 0.0, 0.0]
+    assert [r.total for r in results] == [1.0, 0.0, 1.0]
+
+
+async def test_math_counts_no_unanchored_number() -> None:
+    # As open-r1's and TRL's accuracy rewards: the last number a completion mentions is not its answer.
+    results = await scored(task_config({"function": "math"}), [
+        item("we have 5 apples and 12 pears", 12), item("12", 12), item("I do not know", 12),
+    ])
+    assert [r.total for r in results] == [0.0, 0.0, 0.0]
+
+
+async def test_match_takes_any_answer_as_text_and_an_empty_answer_matches_only_an_empty_completion() -> None:
+    results = await scored(task_config({"function": "match"}), [
+        item("1234", 1234), item("12", 1234), item("", ""), item("x", ""),
+    ])
+    assert [r.total for r in results] == [1.0, 0.5, 1.0, 0.0]
 
 
 async def test_regex_rewards_the_format() -> None:
@@ -168,45 +227,85 @@ async def test_regex_rewards_the_format() -> None:
 # ---- Python rewards ----------------------------------------------------------------------------
 
 CUSTOM = """
+import os
+
 import anyio
+import orjson
 
 CALLS = []
 
-def sync_reward(prompt, completion, answer, row):
-    CALLS.append(("sync", prompt, completion, answer, row))
+def sync_reward(prompt, completion, answer, row, log):
+    # Runs in a worker process: what it was called with goes to a file, with the process it ran in.
+    with open(log, "ab") as f:
+        f.write(orjson.dumps(["sync", prompt, completion, answer, row, os.getpid()]) + b"\\n")
     return row["difficulty"] * 0.25
 
 async def async_reward(prompt, completion, answer, row, bonus):
     await anyio.sleep(0)
-    CALLS.append(("async", prompt, completion, answer, row))
-    return {"format": 1.0, "correct": bonus if completion == answer["value"] else 0.0}
+    CALLS.append(["async", prompt, completion, answer, row, os.getpid()])
+    return {"score": bonus if completion == answer["value"] else 0.0, "format": 1.0}
+
+class AsyncJudge:
+    async def __call__(self, prompt, completion, answer, row):
+        await anyio.sleep(0)
+        return 1.0
+
+judge = AsyncJudge()
+
+def verl_style(prompt, completion, answer, row):
+    return {"score": 1, "acc": 1}
+
+def no_score(prompt, completion, answer, row):
+    return {"acc": 1.0}
 """
 
 
 async def test_python_rewards_get_the_prompt_and_row_as_given_and_add_up_with_weights(tmp_path: Path) -> None:
     name = write_module(tmp_path, CUSTOM)
-    config = task_config({"function": f"{name}:sync_reward", "weight": 2.0},
+    log = tmp_path / "sync_calls.jsonl"
+    config = task_config({"function": f"{name}:sync_reward", "weight": 2.0, "args": {"log": str(log)}},
                          {"function": f"{name}:async_reward", "name": "judge", "args": {"bonus": 0.5}})
     messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "2+2?"}]
     answer = {"value": "4", "units": None}
     row = {"difficulty": 3, "source": "gsm"}
-    before = REGISTRY.get_sample_value("scd_reward_count", {"name": "judge/correct"}) or 0.0
+    before = REGISTRY.get_sample_value("scd_reward_count", {"name": "judge/format"}) or 0.0
     results = await scored(config, [item("4", answer, prompt=messages, row=row),
                                     item("5", answer, prompt="plain text", row=row)], tmp_path)
-    assert results[0] == Scored(total=2.0 * 0.75 + (1.0 + 0.5),
-                                components={"sync_reward": 0.75, "judge/format": 1.0, "judge/correct": 0.5})
-    assert results[1] == Scored(total=2.0 * 0.75 + 1.0,
-                                components={"sync_reward": 0.75, "judge/format": 1.0, "judge/correct": 0.0})
-    calls = sys.modules[name].CALLS
-    assert sorted(calls, key=repr) == sorted([
-        ("sync", messages, "4", answer, row), ("async", messages, "4", answer, row),
-        ("sync", "plain text", "5", answer, row), ("async", "plain text", "5", answer, row),
+    assert results[0] == Scored(total=2.0 * 0.75 + 0.5, components={"sync_reward": 0.75, "judge": 0.5,
+                                                                     "judge/format": 1.0})
+    assert results[1] == Scored(total=2.0 * 0.75 + 0.0, components={"sync_reward": 0.75, "judge": 0.0,
+                                                                     "judge/format": 1.0})
+    calls = [orjson.loads(line) for line in log.read_bytes().splitlines()] + sys.modules[name].CALLS
+    assert sorted((c[:-1] for c in calls), key=repr) == sorted([
+        ["sync", messages, "4", answer, row], ["async", messages, "4", answer, row],
+        ["sync", "plain text", "5", answer, row], ["async", "plain text", "5", answer, row],
     ], key=repr)
-    assert REGISTRY.get_sample_value("scd_reward_count", {"name": "judge/correct"}) == before + 2
+    # The sync reward ran in a worker process, the async one on the event loop.
+    assert {c[-1] for c in calls if c[0] == "sync"} != {os.getpid()}
+    assert {c[-1] for c in calls if c[0] == "async"} == {os.getpid()}
+    assert REGISTRY.get_sample_value("scd_reward_count", {"name": "judge/format"}) == before + 2
+
+
+async def test_a_dicts_score_is_the_reward_and_its_other_keys_are_reported(tmp_path: Path) -> None:
+    name = write_module(tmp_path, CUSTOM)
+    [result] = await scored(task_config({"function": f"{name}:verl_style", "name": "verl", "weight": 2.0}),
+                            [item("x")], tmp_path)
+    assert result == Scored(total=2.0, components={"verl": 1.0, "verl/acc": 1.0})
+    with pytest.raises(RewardError) as caught:
+        await scored(task_config({"function": f"{name}:no_score"}), [item("x")], tmp_path)
+    assert caught.value.cause == "malformed" and f"{name}:no_score" in str(caught.value)
+    assert "without a 'score' key" in str(caught.value)
+
+
+async def test_an_object_with_an_async_call_is_awaited(tmp_path: Path) -> None:
+    name = write_module(tmp_path, CUSTOM)
+    [result] = await scored(task_config({"function": f"{name}:judge"}), [item("x")], tmp_path)
+    assert result == Scored(total=1.0, components={"judge": 1.0})
 
 
 BAD = """
 import math
+import os
 import time
 
 import anyio
@@ -227,7 +326,10 @@ def boolean(prompt, completion, answer, row):
     return True
 
 def nan_part(prompt, completion, answer, row):
-    return {"format": 1.0, "correct": math.nan}
+    return {"score": 1.0, "correct": math.nan}
+
+def exits(prompt, completion, answer, row):
+    os._exit(3)
 
 def sleeps(prompt, completion, answer, row):
     time.sleep(0.5)
@@ -253,6 +355,7 @@ def bad_rewards(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
     ("text", "not_a_number", "returned '1.0' (str), not a number"),
     ("boolean", "not_a_number", "returned True (bool), not a number"),
     ("nan_part", "not_finite", "part 'correct' returned nan"),
+    ("exits", "crashed", "its worker process exited while scoring (exit code 3)"),
     ("sleeps", "timeout", "took longer than task.reward_timeout_s = 0.1 s"),
     ("naps", "timeout", "took longer than task.reward_timeout_s = 0.1 s"),
 ])
@@ -278,10 +381,12 @@ async def test_a_bad_reward_stops_the_run_naming_itself_or_scores_zero_and_is_co
     assert errors_counted(name, cause) == counted + 1
 
 
-# ---- user code off the event loop --------------------------------------------------------------
+# ---- sync user code in worker processes --------------------------------------------------------
 
 BLOCKING = """
+import os
 import time
+from pathlib import Path
 
 def spins(prompt, completion, answer, row):
     end = time.perf_counter() + 0.5
@@ -292,65 +397,146 @@ def spins(prompt, completion, answer, row):
 def sleeps(prompt, completion, answer, row):
     time.sleep(row["sleep_s"])
     return 1.0
+
+def hangs(prompt, completion, answer, row):
+    Path(row["pids"], str(os.getpid())).touch()
+    time.sleep(3600)
+    return 1.0
+"""
+# Backtracks for ever (each further "a" doubles the time) in C code that holds the interpreter lock.
+CATASTROPHIC = {"function": "regex", "name": "catastrophic", "args": {"pattern": r"^(a+)+$"}}
+
+
+async def ticking(gaps: list[float]) -> None:
+    last = time.perf_counter()
+    while True:
+        await anyio.sleep(0.005)
+        now = time.perf_counter()
+        gaps.append(now - last)
+        last = now
+
+
+async def test_sync_rewards_and_a_catastrophic_regex_do_not_block_the_event_loop(tmp_path: Path) -> None:
+    name = write_module(tmp_path, BLOCKING)
+    config = task_config({"function": f"{name}:spins"}, {"function": f"{name}:sleeps"}, CATASTROPHIC,
+                         reward_timeout_s=2.0, reward_errors="zero", reward_workers=2)
+    gaps: list[float] = []
+    async with contextlib.aclosing(load_rewards(config, tmp_path)) as scorer:
+        await scorer.score([item("warm", row={"sleep_s": 0.0})])  # the workers' start-up is not what is measured
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(ticking, gaps)
+            results = await scorer.score([item("a" * 40 + "!", row={"sleep_s": 0.5}) for _ in range(2)])
+            tg.cancel_scope.cancel()
+        stats = scorer.statistics()
+    assert [r.components for r in results] == [{"spins": 1.0, "sleeps": 1.0, "catastrophic": 0.0}] * 2
+    assert stats.timeouts == 2 and stats.pool.killed == 2  # the regex, killed at its deadline
+    assert len(gaps) > 100
+    # On the loop (or a thread, holding the interpreter lock) the regex would stall it for its whole 2 s; here
+    # four busy workers compete with the loop for the cores, nothing more.
+    assert max(gaps) < 0.5
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+async def test_a_hung_reward_is_killed_at_its_deadline_and_the_builtins_score_on(tmp_path: Path) -> None:
+    name = write_module(tmp_path, BLOCKING)
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    config = task_config({"function": f"{name}:hangs", "name": "hung"}, {"function": "exact"},
+                         reward_timeout_s=0.5, reward_errors="zero", reward_workers=1)
+    async with contextlib.aclosing(load_rewards(config, tmp_path)) as scorer:
+        results = await scorer.score([item("x", "x", row={"pids": str(pids)}) for _ in range(3)])
+        stats = scorer.statistics()
+    assert [r.components for r in results] == [{"hung": 0.0, "exact": 1.0}] * 3
+    assert (stats.timeouts, stats.pool.killed, stats.pool.busy, stats.pool.queued) == (3, 3, 0, 0)
+    hung = [int(p.name) for p in pids.iterdir()]
+    assert len(hung) == 3 and not any(map(alive, hung))
+
+
+async def test_a_rewards_deadline_counts_the_call_not_its_wait_for_a_worker(tmp_path: Path) -> None:
+    name = write_module(tmp_path, BLOCKING)
+    config = task_config({"function": f"{name}:sleeps"}, reward_timeout_s=0.5, reward_workers=3)
+    async with contextlib.aclosing(load_rewards(config, tmp_path)) as scorer:
+        await scorer.score([item("warm", row={"sleep_s": 0.0}) for _ in range(3)])
+        seen: list[int] = []
+
+        async def watch_the_queue() -> None:
+            while True:
+                seen.append(scorer.statistics().pool.queued)
+                await anyio.sleep(0.01)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(watch_the_queue)
+            # Four rounds of 0.3 s calls on three workers: the last round waits 0.9 s before its call starts.
+            results = await scorer.score([item("x", row={"sleep_s": 0.3}) for _ in range(12)])
+            tg.cancel_scope.cancel()
+    assert [r.total for r in results] == [1.0] * 12
+    assert max(seen) == 9
+
+
+WORKER_OWNER = """
+import sys
+from pathlib import Path
+
+import anyio
+
+from scd.config import parse_config
+from scd.rewards import RewardInput, load_rewards
+
+async def main(directory: Path) -> None:
+    task = parse_config({"task": {"rewards": [{"function": "NAME:hangs"}], "reward_workers": 2}}, directory).task
+    scorer = load_rewards(task, directory)
+    row = {"pids": str(directory / "pids")}
+    await scorer.score([RewardInput(0, "p", "c", "a", row), RewardInput(1, "p", "c", "a", row)])
+
+anyio.run(main, Path(sys.argv[1]))
 """
 
 
-async def test_sync_rewards_do_not_block_the_event_loop(tmp_path: Path) -> None:
+def test_every_worker_dies_with_the_process_that_started_it(tmp_path: Path) -> None:
     name = write_module(tmp_path, BLOCKING)
-    config = task_config({"function": f"{name}:spins"}, {"function": f"{name}:sleeps"})
-    gaps: list[float] = []
-    results: list[Scored] = []
-
-    async def tick() -> None:
-        last = time.perf_counter()
-        while True:
-            await anyio.sleep(0.005)
-            now = time.perf_counter()
-            gaps.append(now - last)
-            last = now
-
-    async def score() -> None:
-        results.extend(await scored(config, [item("x", row={"sleep_s": 0.5}) for _ in range(2)], tmp_path))
-
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(tick)
-        await score()
-        tg.cancel_scope.cancel()
-    assert [r.total for r in results] == [2.0] * 2
-    assert len(gaps) > 10
-    assert max(gaps) < 0.25  # a reward on the loop would stall it for 0.5 s per call
-
-
-async def test_threads_stuck_in_timed_out_calls_are_bounded(tmp_path: Path) -> None:
-    name = write_module(tmp_path, BLOCKING)
-    config = task_config({"function": f"{name}:sleeps", "name": "stuck"}, reward_timeout_s=0.2, reward_errors="zero")
-    async with contextlib.aclosing(load_rewards(config, tmp_path)) as scorer:
-        slow = await scorer.score([item("x", row={"sleep_s": 1.5}) for _ in range(SYNC_REWARD_THREADS)])
-        assert [r.total for r in slow] == [0.0] * SYNC_REWARD_THREADS
-        assert scorer.statistics().threads_abandoned == SYNC_REWARD_THREADS
-        counted = errors_counted("stuck", "stuck")
-        [refused] = await scorer.score([item("x", row={"sleep_s": 0.0})])
-        assert refused.total == 0.0 and errors_counted("stuck", "stuck") == counted + 1
-        with anyio.fail_after(5):
-            while scorer.statistics().threads_abandoned:
-                await anyio.sleep(0.05)
-        [served] = await scorer.score([item("x", row={"sleep_s": 0.0})])
-        assert served.total == 1.0
+    (tmp_path / "pids").mkdir()
+    owner = tmp_path / "owner.py"
+    owner.write_text(WORKER_OWNER.replace("NAME", name))
+    process = subprocess.Popen([sys.executable, str(owner), str(tmp_path)], cwd=REPO,
+                               env={**os.environ, "PYTHONPATH": os.pathsep.join(
+                                   filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))})
+    try:
+        deadline = time.monotonic() + 60
+        while len(list((tmp_path / "pids").iterdir())) < 2:
+            assert process.poll() is None and time.monotonic() < deadline
+            time.sleep(0.05)
+        workers = [int(p.name) for p in (tmp_path / "pids").iterdir()]
+        assert all(map(alive, workers))
+    finally:
+        process.send_signal(signal.SIGKILL)
+        process.wait()
+    deadline = time.monotonic() + 10
+    while any(map(alive, workers)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(map(alive, workers))
 
 
 # ---- HTTP --------------------------------------------------------------------------------------
 
 
 class RewardServer:
-    """A remote scorer on 127.0.0.1: an item scores len(completion) / 10, or two parts when its row asks.
+    """A remote scorer on 127.0.0.1: an item scores len(completion) / 10, or a score and a part when its row asks.
 
-    ``mode`` makes it misbehave: "503" for the first ``failures`` requests, "400", "short" (one reward
-    too few), or "slow" (answers after a second)."""
+    ``mode`` makes it misbehave: "503" or "429" (with ``Retry-After: retry_after``, when set) for the first
+    ``failures`` requests, "400", "short" (one reward too few), or "slow" (answers after a second)."""
 
-    def __init__(self, *, mode: str = "ok", failures: int = 0, delay_s: float = 0.0) -> None:
-        self.mode, self.failures, self.delay_s = mode, failures, delay_s
+    def __init__(self, *, mode: str = "ok", failures: int = 0, delay_s: float = 0.0, retry_after: str = "") -> None:
+        self.mode, self.failures, self.delay_s, self.retry_after = mode, failures, delay_s, retry_after
         self.requests = self.answered = self.inflight = self.max_inflight = 0
         self.batch_sizes: list[int] = []
+        self.arrivals: list[float] = []  # each request's time.monotonic()
         self.port = 0
         self._runner: web.AppRunner | None = None
 
@@ -373,17 +559,19 @@ class RewardServer:
 
     async def _score(self, request: web.Request) -> web.Response:
         self.requests += 1
+        self.arrivals.append(time.monotonic())
         self.inflight += 1
         self.max_inflight = max(self.max_inflight, self.inflight)
         try:
             items = orjson.loads(await request.read())["items"]
             self.batch_sizes.append(len(items))
             await anyio.sleep(1.0 if self.mode == "slow" else self.delay_s)
-            if self.mode == "503" and self.requests <= self.failures:
-                return web.Response(status=503)
+            if self.mode in ("503", "429") and self.requests <= self.failures:
+                return web.Response(status=int(self.mode),
+                                    headers={"Retry-After": self.retry_after} if self.retry_after else {})
             if self.mode == "400":
                 return web.Response(status=400, text="no such task")
-            rewards: list[Any] = [{"a": 0.5, "b": 0.25} if i["row"].get("parts") else len(i["completion"]) / 10
+            rewards: list[Any] = [{"score": 0.5, "b": 0.25} if i["row"].get("parts") else len(i["completion"]) / 10
                                   for i in items]
             if self.mode == "short":
                 rewards.pop()
@@ -413,8 +601,8 @@ async def test_http_scores_in_batches_with_the_items_fields() -> None:
                  for n in range(1, 6)]
         results = await scored(http_config(server.url, batch_size=2), items)
     assert sorted(server.batch_sizes) == [1, 2, 2]
-    assert [r.total for r in results] == [0.1, 0.2, 0.75, 0.4, 0.5]
-    assert results[2].components == {"remote/a": 0.5, "remote/b": 0.25}
+    assert [r.total for r in results] == [0.1, 0.2, 0.5, 0.4, 0.5]
+    assert results[2].components == {"remote": 0.5, "remote/b": 0.25}
 
 
 async def test_http_keeps_to_its_concurrency_limit_across_groups() -> None:
@@ -441,6 +629,28 @@ async def test_http_retries_a_server_that_answers_503_until_it_recovers() -> Non
             stats = scorer.statistics()
     assert result.total == pytest.approx(0.3)
     assert (server.requests, stats.http_retries, stats.calls) == (3, 2, 3)
+
+
+async def test_http_retries_a_429_after_the_wait_its_retry_after_asks() -> None:
+    async with serving(RewardServer(mode="429", failures=1, retry_after="1")) as server:
+        async with contextlib.aclosing(load_rewards(http_config(server.url, retries=1), Path.cwd())) as scorer:
+            [result] = await scorer.score([item("abc")])
+            stats = scorer.statistics()
+    assert result.total == pytest.approx(0.3)
+    assert (server.requests, stats.http_retries) == (2, 1)
+    assert server.arrivals[1] - server.arrivals[0] >= 0.95  # not backoff_s = 0.01
+
+
+async def test_http_retries_of_batches_refused_together_spread_out() -> None:
+    batches = 8
+    async with serving(RewardServer(mode="503", failures=batches)) as server:
+        config = http_config(server.url, batch_size=1, max_concurrency=batches, backoff_s=0.2)
+        results = await scored(config, [item("a") for _ in range(batches)])
+    assert [r.total for r in results] == [0.1] * batches
+    first, retried = server.arrivals[:batches], server.arrivals[batches:]
+    assert len(retried) == batches and max(first) - min(first) < 0.05
+    # Without jitter every retry comes 0.2 s after its refusal, all at once; with it, within 0.1-0.3 s.
+    assert max(retried) - min(retried) > 0.05
 
 
 async def test_http_survives_a_server_restart_within_the_retry_budget() -> None:

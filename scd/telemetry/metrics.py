@@ -104,7 +104,7 @@ reward = Histogram(
 )
 reward_errors = Counter(
     "scd_reward_errors",
-    "Reward calls that failed, by reward and cause (exception, not_finite, not_a_number, timeout, stuck, http, "
+    "Reward calls that failed, by reward and cause (exception, not_finite, not_a_number, timeout, crashed, http, "
     "malformed)", ["name", "cause"],
 )
 
