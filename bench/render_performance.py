@@ -157,6 +157,14 @@ THROUGHPUT = Section(
         Row("`trackers_loop_stall_p99_ms`", "loop probe p99 with the three trackers on (ms)",
             lambda s: f"{num(s['trackers_loop_stall_p99_ms'])} ({num(s['trackers_off_loop_stall_p99_ms'])} off)",
             "trackers_loop_stall_p99_ms"),
+        Row("`reward_loop_stall_p99_ms`", "loop probe p99 while configs/tiny.toml trains and a scorer scores "
+            "groups of 8 without pause with a CPU-bound Python reward and a catastrophically backtracking regex, "
+            "both in the reward worker processes (`task.reward_workers` \"auto\"). `python -m bench.run "
+            "reward_loop_stall`",
+            lambda s: f"{num(s['reward_loop_stall_p99_ms'])} (p50 {num(s['reward_loop_stall_p50_ms'])}, max "
+            f"{num(s['reward_loop_stall_max_ms'])}; {num(s['reward_completions_scored_per_s'])} completions "
+            f"scored/s by {s['reward_workers']:.0f} worker(s), {num(s['reward_steps_per_s'])} steps/s)",
+            "reward_loop_stall_p99_ms"),
         Row("`commit_path_groups_per_s`", "groups/s through the real commit path into TQ; each sibling is "
             "decoded, scored and its group encoded on the event loop",
             lambda s: num(s["commit_path_groups_per_s"]), "commit_path_groups_per_s"),

@@ -23,10 +23,11 @@ import anyio
 import orjson
 import torch
 
-from bench import engines, goodput, trainer_group
+from bench import engines, goodput, rewards, trainer_group
 from bench.commits import checkpoint_now, clear, fake_group, fill
 from bench.configs import REPO, tiny
 from bench.recovery import crash_recovery, prefix_recovery, staging_cost
+from bench.summary import percentile
 from scd.checkpoint import layout
 from scd.checkpoint.save import capture_cut
 from scd.config import Config
@@ -48,12 +49,8 @@ GOALS = {
     **{f"crash_{s}_tokens_reused_vs_generated_at_cut": (">=", 0.99) for s in ("windowed", "weight_fifo", "in_order")},
     **goodput.GOALS, **engines.GOALS,
     "trackers_overhead_ratio": (">=", 0.98), "trackers_loop_stall_p99_ms": ("<=", 50.0),
+    **rewards.GOALS,
 }
-
-
-def percentile(samples: list[float], q: float) -> float:
-    ordered = sorted(samples)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 async def timed_run(config: Config, steps: int, probe: bool = False) -> dict[str, float]:
@@ -454,7 +451,8 @@ async def main(only: frozenset[str] = frozenset()) -> None:
                                 ("staging_cost", staging_cost), ("goodput_regimes", goodput.regimes),
                                 ("goodput_crash_loop", goodput.crash_loops),
                                 ("vllm_cpu", engines.vllm_cpu), ("weight_sync", engines.weight_sync),
-                                ("trackers_overhead", trackers_overhead), ("trainer_group", trainer_group.figures)):
+                                ("trackers_overhead", trackers_overhead), ("trainer_group", trainer_group.figures),
+                                ("reward_loop_stall", rewards.loop_stall)):
                 known.add(name)
                 if only and name not in only:
                     continue

@@ -9,6 +9,11 @@ import orjson
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
+def percentile(samples: list[float], q: float) -> float:
+    ordered = sorted(samples)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
 def merge_and_print(summary: dict[str, float], goals: dict[str, tuple[str, float]]) -> None:
     """Add ``summary``'s keys to the committed summary (every other key kept) and print each against its goal."""
     path = RESULTS / "summary.json"
