@@ -138,7 +138,7 @@ def test_a_module_comes_from_the_config_directory_first_then_sys_path(
     assert str(config_dir) not in sys.path  # the config's directory was searched for the import only
 
 
-def test_reward_workers_auto_leaves_a_core_to_the_loop(tmp_path: Path) -> None:
+def test_reward_workers_auto_leaves_a_core_to_the_loop() -> None:
     assert task_config().reward_worker_count() == max(1, len(os.sched_getaffinity(0)) - 1)
     assert task_config(reward_workers=3).reward_worker_count() == 3
 

@@ -233,12 +233,13 @@ class _HttpReward:
         body = orjson.dumps({"items": [{"prompt": i.prompt, "completion": i.completion, "answer": i.answer,
                                         "row": i.row} for i in items]})
         failure: Failure  # the last attempt's: every path through the loop that does not return sets it
-        retry_after_s = 0.0  # what the last answer asked for
+        retry_after_s = 0.0  # what the last attempt's answer asked for
         for attempt in range(retries + 1):
             if attempt:
                 context.counts.http_retries += 1
                 backoff_s = self._args.backoff_s * 2 ** (attempt - 1) * random.uniform(0.5, 1.5)
                 await anyio.sleep(max(backoff_s, retry_after_s))
+                retry_after_s = 0.0
             context.counts.calls += 1
             try:
                 async with self._limiter:

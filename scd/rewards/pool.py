@@ -83,9 +83,9 @@ class WorkerPool:
     """Up to ``size`` worker processes, each with every one of ``rewards`` loaded; ``aclose`` when done."""
 
     def __init__(self, rewards: Sequence[tuple[str, RewardConfig]], base_dir: Path, size: int) -> None:
-        self._header = {"path": sys.path, "base_dir": str(base_dir),
+        # sys.path as it is when the rewards are resolved: a worker imports their modules as scd did.
+        self._header = {"path": list(sys.path), "base_dir": str(base_dir),
                         "rewards": [{"key": key, "reward": msgspec.to_builtins(reward)} for key, reward in rewards]}
-        self._size = size
         self._free = anyio.Semaphore(size)
         self._idle: list[_Worker] = []
         self._workers = 0
@@ -133,12 +133,12 @@ class WorkerPool:
         return Failure(reply["cause"], reply["detail"])
 
     async def _start(self) -> _Worker | Failure:
-        self._workers += 1
         environment = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [_SCD_ROOT,
                                                                                  os.environ.get("PYTHONPATH")]))}
         process = await anyio.open_process([sys.executable, "-m", "scd.rewards.worker", str(os.getpid())],
                                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=None,
                                            env=environment)
+        self._workers += 1
         worker = _Worker(process)
         try:
             with anyio.fail_after(WORKER_START_TIMEOUT_S):
