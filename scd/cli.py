@@ -15,7 +15,7 @@ import orjson
 from anyio.abc import TaskStatus
 
 from scd.checkpoint.restore import keep_history_linear
-from scd.cluster import plan_devices
+from scd.cluster import AbandonedCalls, plan_devices
 from scd.config import Config, load_config
 from scd.daemon import Controller, Triggers
 from scd.errors import EXIT_CONFIG, EXIT_INVARIANT, EXIT_OK, EXIT_OTHER, ScdError
@@ -166,6 +166,18 @@ def _setup_logging() -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    code = _main(argv)
+    if AbandonedCalls.count:
+        # What scd started is stopped already; a thread stuck in a call it gave up on (a hung TQ) would
+        # hold the interpreter's exit for ever.
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
+
+
+def _main(argv: Sequence[str] | None) -> int:
     args = _parser().parse_args(argv)
     _setup_logging()
     try:

@@ -405,6 +405,16 @@ class EmbeddedRay:
         self._reaper.stdout.close()
 
 
+class AbandonedCalls:
+    """How many blocking calls this process abandoned past their deadline.
+
+    Their threads may never return (a ``ray.get`` on a stopped actor), and the interpreter's exit joins
+    every worker thread: ``scd.cli`` leaves with ``os._exit`` when this is non-zero.
+    """
+
+    count = 0
+
+
 async def bounded_thread(timeout_s: float, what: str, fn: Callable[[], T], swallow: bool = False) -> T | None:
     """Run a blocking Ray or TQ call in a worker thread, abandoned (and reported) past ``timeout_s``."""
     start = time.monotonic()
@@ -412,6 +422,7 @@ async def bounded_thread(timeout_s: float, what: str, fn: Callable[[], T], swall
         with anyio.fail_after(timeout_s):
             return await anyio.to_thread.run_sync(fn, abandon_on_cancel=True)
     except TimeoutError:
+        AbandonedCalls.count += 1
         if swallow:
             log.warning("%s did not finish within %.0fs", what, timeout_s)
             return None

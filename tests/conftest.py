@@ -23,9 +23,42 @@ REPO = Path(__file__).resolve().parents[1]
 SCD = [sys.executable, "-m", "scd.cli"]
 
 
+# Modules whose tests share one expensive fixture (a vLLM engine, a module's controller or cluster) run on
+# one xdist worker, so the fixture starts once; vLLM's modules share one group, since each engine pins
+# the same cores and reserves a share of memory.
+SHARED_FIXTURE_GROUPS = {
+    "test_vllm": "vllm", "test_vllm_engines": "vllm",
+    "test_checkpoint": "test_checkpoint", "test_data_safety": "test_data_safety",
+    "test_sampler_restore": "test_sampler_restore", "test_cluster": "test_cluster",
+}
+# A test that needs any of these starts Ray, a vLLM engine or an `scd run`: it is `slow`, outside
+# `make test-fast`.  A test that starts a subprocess some other way carries the mark itself.
+SLOW_FIXTURES = {"tq_session", "scd_processes", "tiny_llama", "engine", "cluster"}
+
+
+def shared_fixture_group(item: pytest.Item) -> str | None:
+    module = getattr(item, "module", None)
+    return SHARED_FIXTURE_GROUPS.get(module.__name__.rsplit(".", 1)[-1]) if module else None
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        group = shared_fixture_group(item)
+        if group:
+            item.add_marker(pytest.mark.xdist_group(group))
+        if SLOW_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
+    # vLLM's group is the longest unit of work: handed out first, it runs beside everything else instead of
+    # after it (a stable sort keeps every other test in file order; every worker sorts alike).
+    items.sort(key=lambda item: shared_fixture_group(item) != "vllm")
+
+
 @pytest.fixture(scope="session")
 def tq_session() -> Iterator[None]:
-    """A local Ray with enough logical CPUs for TQ's controller, one storage unit and two trainer ranks."""
+    """A local Ray with enough logical CPUs for TQ's controller, one storage unit and two trainer ranks.
+
+    Each xdist worker is a process of its own, so each has its own Ray and TQ.
+    """
     import ray
     import transfer_queue as tq
 
@@ -37,6 +70,29 @@ def tq_session() -> Iterator[None]:
     ray.shutdown()
 
 
+@pytest.fixture(scope="session")
+def session_ray(tq_session: None) -> str:
+    """The address of this worker's Ray, for an `scd run` that joins it and attaches to its TQ.
+
+    Starting Ray and TQ is most of what an `scd run` costs on this box (20-30 s under the suite's load,
+    against ~1 s to attach), so a test whose subject is not the embedded Ray's own lifecycle joins this
+    one (``write_config(..., ray_address=session_ray)``); ``ScdProcess`` then empties the TQ after the
+    process ends, as the end of a private TQ would.
+    """
+    import ray
+
+    return ray.get_runtime_context().gcs_address
+
+
+def clear_session_tq() -> None:
+    """Remove every row of every partition from this worker's TQ."""
+    import transfer_queue as tq
+
+    for partition, keys in tq.kv_list().items():
+        if keys:
+            tq.kv_clear(list(keys), partition)
+
+
 @pytest.fixture(autouse=True)
 def leave_the_session_tq_empty(request: pytest.FixtureRequest) -> Iterator[None]:
     """Every test that used the session's TQ leaves it holding no rows, in any partition.
@@ -46,13 +102,8 @@ def leave_the_session_tq_empty(request: pytest.FixtureRequest) -> Iterator[None]
     test's restore.
     """
     yield
-    if "tq_session" not in request.fixturenames:
-        return
-    import transfer_queue as tq
-
-    for partition, keys in tq.kv_list().items():
-        if keys:
-            tq.kv_clear(list(keys), partition)
+    if "tq_session" in request.fixturenames:
+        clear_session_tq()
 
 
 @pytest.fixture
@@ -98,9 +149,14 @@ metrics_port = {port}
 """
 
 
-def write_config(directory: Path, *, max_steps: int = 20, port: int | None = None, extra: str = "") -> Path:
+def write_config(directory: Path, *, max_steps: int = 20, port: int | None = None, extra: str = "",
+                 ray_address: str = "") -> Path:
+    """TINY in ``directory``; with ``ray_address`` (``session_ray``) the run joins that Ray instead of its own."""
+    text = TINY.format(max_steps=max_steps, out=directory / "out", port=port or free_port())
+    if ray_address:
+        text = text.replace("[data_plane.ray]\nnum_cpus = 3\n", f'[data_plane.ray]\naddress = "{ray_address}"\n')
     path = directory / "scd.toml"
-    path.write_text(TINY.format(max_steps=max_steps, out=directory / "out", port=port or free_port()) + extra)
+    path.write_text(text + extra)
     return path
 
 
@@ -108,6 +164,9 @@ class ScdProcess:
     """A real `scd run` subprocess; stopped by pid only (never by name)."""
 
     def __init__(self, config: Path, *args: str, env: dict[str, str] | None = None) -> None:
+        # A run that joined the session's Ray leaves its rows in the session's TQ when it ends.
+        self.joined_session_tq = bool(tomllib.loads(config.read_text()).get("data_plane", {}).get("ray", {})
+                                      .get("address"))
         self.log_path = config.parent / f"scd-{uuid.uuid4().hex[:6]}.log"
         self._log = self.log_path.open("wb")
         self.proc = subprocess.Popen(
@@ -132,9 +191,17 @@ class ScdProcess:
 
     def wait(self, timeout: float = 300) -> int:
         try:
-            return self.proc.wait(timeout=timeout)
+            code = self.proc.wait(timeout=timeout)
         finally:
             self._log.close()
+        self._ended()
+        return code
+
+    def _ended(self) -> None:
+        """The process is gone: what it left in the session's TQ goes too (once), as a private TQ would."""
+        if self.joined_session_tq:
+            self.joined_session_tq = False
+            clear_session_tq()
 
     def signal(self, signum: int) -> None:
         self.proc.send_signal(signum)
@@ -146,6 +213,7 @@ class ScdProcess:
         except ProcessLookupError:
             pass
         self.proc.wait(timeout=30)
+        self._ended()
 
 
 @pytest.fixture

@@ -656,10 +656,10 @@ def poll_readyz(port: int, scd: ScdProcess, stop_at_200: bool, timeout: float = 
 
 
 async def test_readyz_is_503_until_the_restore_is_done_and_again_once_a_drain_starts(
-    tmp_path: Path, tq_session: None, scd_processes: list[ScdProcess]
+    tmp_path: Path, tq_session: None, scd_processes: list[ScdProcess], session_ray: str
 ) -> None:
     port = free_port()
-    config = write_config(tmp_path, max_steps=100_000, port=port,
+    config = write_config(tmp_path, ray_address=session_ray, max_steps=100_000, port=port,
                           extra="\n[checkpointing]\nenabled = true\ninterval_s = 3600\n")
     # The bundle to restore, from a run of the same config in this process (on the session's TQ: one
     # process start fewer); its final checkpoint is at step 2.

@@ -51,6 +51,7 @@ def test_bad_config_names_its_key(tmp_path: Path, text: str, key: str) -> None:
     assert f"'{key}'" in str(info.value)
 
 
+@pytest.mark.slow  # an `scd` subprocess
 @pytest.mark.parametrize(("text", "key"), [*BAD_CONFIGS[:4], ("not toml [", "<file>")])
 def test_scd_run_exits_2_naming_the_key(tmp_path: Path, text: str, key: str) -> None:
     path = tmp_path / "bad.toml"
@@ -79,6 +80,7 @@ def test_too_few_ray_cpus_name_the_key_and_what_is_needed(tmp_path: Path, text: 
     assert f"set it to at least {needed}," in str(info.value)
 
 
+@pytest.mark.slow  # an `scd` subprocess
 def test_scd_run_exits_2_for_too_few_ray_cpus_before_ray_starts(tmp_path: Path) -> None:
     path = tmp_path / "bad.toml"
     path.write_text(RAY_CPUS_TOO_FEW[1][0])

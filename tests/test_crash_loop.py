@@ -59,10 +59,10 @@ max_concurrent_batches = 2
 """
 
 
-def crash_loop_config(tmp_path: Path, sampler: str) -> Path:
+def crash_loop_config(tmp_path: Path, sampler: str, ray_address: str) -> Path:
     name = "windowed" if sampler == PREFIXES else sampler
     sampler_section = f'[async_rl.sampler]\nname = "{name}"\nmax_staleness_versions = 1\n'
-    config = write_config(tmp_path, max_steps=100_000, extra=CHECKPOINTS + sampler_section)
+    config = write_config(tmp_path, max_steps=100_000, extra=CHECKPOINTS + sampler_section, ray_address=ray_address)
     if sampler == PREFIXES:
         text = config.read_text()
         generation = text[text.index("[generation]"):text.index("[trainer]")]
@@ -73,9 +73,10 @@ def crash_loop_config(tmp_path: Path, sampler: str) -> Path:
 
 
 @pytest.mark.parametrize("sampler", list(SAMPLER_KILLS))
-def test_crash_loop_loses_nothing(tmp_path: Path, scd_processes: list[ScdProcess], sampler: str) -> None:
+def test_crash_loop_loses_nothing(tmp_path: Path, scd_processes: list[ScdProcess], sampler: str,
+                                  session_ray: str) -> None:
     rng = random.Random(1234)
-    config = crash_loop_config(tmp_path, sampler)
+    config = crash_loop_config(tmp_path, sampler, session_ray)
     root = tmp_path / "out" / "checkpoints"
     ready_in: dict[str, int] = {}  # bundle name -> its ready groups, for each bundle a start found newest
 
@@ -89,7 +90,7 @@ def test_crash_loop_loses_nothing(tmp_path: Path, scd_processes: list[ScdProcess
         note_newest_bundle()
         scd = ScdProcess(config)
         scd_processes.append(scd)
-        scd.wait_for_line("TransferQueue: controller on")  # Ray and TQ are up: the kill lands in the run
+        scd.wait_for_line("TransferQueue: controller on")  # attached to TQ: the kill lands in the run
         time.sleep(rng.uniform(0.0, 2.5))
         assert scd.proc.poll() is None, scd.output()[-3000:]
         scd.kill_group()

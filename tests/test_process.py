@@ -30,9 +30,11 @@ def metric(text: str, name: str) -> float:
     raise AssertionError(f"{name} not in /metrics")
 
 
-def test_run_reaches_max_steps_with_metrics(tmp_path: Path, scd_processes: list[ScdProcess]) -> None:
+def test_run_reaches_max_steps_with_metrics(
+    tmp_path: Path, scd_processes: list[ScdProcess], session_ray: str
+) -> None:
     port = free_port()
-    scd = ScdProcess(write_config(tmp_path, max_steps=400, port=port), "--max-steps", "40")
+    scd = ScdProcess(write_config(tmp_path, ray_address=session_ray, max_steps=400, port=port), "--max-steps", "40")
     scd_processes.append(scd)
     scd.wait_for_line("step 5 ")
     assert scrape(port, "/healthz") == "ok\n"
@@ -64,12 +66,14 @@ def test_a_metrics_port_in_use_exits_2_naming_it_before_ray_starts(tmp_path: Pat
     assert "ray" not in out.lower() and "Traceback" not in out
 
 
-def test_sigterm_drains_and_exits_zero_with_sd_notify(tmp_path: Path, scd_processes: list[ScdProcess]) -> None:
+def test_sigterm_drains_and_exits_zero_with_sd_notify(
+    tmp_path: Path, scd_processes: list[ScdProcess], session_ray: str
+) -> None:
     notify_path = tmp_path / "notify.sock"
     with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as notify:
         notify.bind(str(notify_path))
         notify.settimeout(0.1)
-        scd = ScdProcess(write_config(tmp_path, max_steps=100_000),
+        scd = ScdProcess(write_config(tmp_path, ray_address=session_ray, max_steps=100_000),
                          env={"NOTIFY_SOCKET": str(notify_path), "WATCHDOG_USEC": "400000"})
         scd_processes.append(scd)
         scd.wait_for_line("step 3 ")
@@ -92,15 +96,15 @@ CHECKPOINT_EVERY_SECOND = "\n[checkpointing]\nenabled = true\ninterval_s = 1\nke
 
 
 def test_sigkill_then_a_fresh_process_continues_from_the_checkpoint(
-    tmp_path: Path, scd_processes: list[ScdProcess]
+    tmp_path: Path, scd_processes: list[ScdProcess], session_ray: str
 ) -> None:
-    config = write_config(tmp_path, max_steps=100_000, extra=CHECKPOINT_EVERY_SECOND)
+    config = write_config(tmp_path, ray_address=session_ray, max_steps=100_000, extra=CHECKPOINT_EVERY_SECOND)
     root = tmp_path / "out" / "checkpoints"
     first = ScdProcess(config)
     scd_processes.append(first)
     first.wait_for_line("checkpoint step_")
     first.wait_for_line("step 5 ")
-    first.kill_group()  # SIGKILL: scd and the Ray it started, mid-whatever it was doing
+    first.kill_group()  # SIGKILL, mid-whatever it was doing
     bundles = layout.finalized_bundles(root)
     assert bundles, "no finalized bundle before the kill"
     k = layout.step_of(bundles[-1])
@@ -120,8 +124,10 @@ def test_sigkill_then_a_fresh_process_continues_from_the_checkpoint(
     assert restores and restores[-1]["step"] == k
 
 
-def test_sigusr1_produces_a_new_finalized_bundle(tmp_path: Path, scd_processes: list[ScdProcess]) -> None:
-    config = write_config(tmp_path, max_steps=100_000,
+def test_sigusr1_produces_a_new_finalized_bundle(
+    tmp_path: Path, scd_processes: list[ScdProcess], session_ray: str
+) -> None:
+    config = write_config(tmp_path, ray_address=session_ray, max_steps=100_000,
                           extra="\n[checkpointing]\nenabled = true\ninterval_s = 3600\n")
     root = tmp_path / "out" / "checkpoints"
     scd = ScdProcess(config)
@@ -140,9 +146,11 @@ def test_sigusr1_produces_a_new_finalized_bundle(tmp_path: Path, scd_processes: 
     assert len(layout.finalized_bundles(root)) == 2
 
 
-def test_a_failed_last_checkpoint_exits_one_and_keeps_the_good_bundle(tmp_path: Path,
-                                                                        scd_processes: list[ScdProcess]) -> None:
-    config = write_config(tmp_path, max_steps=100, extra="\n[checkpointing]\nenabled = true\ninterval_s = 3600\n")
+def test_a_failed_last_checkpoint_exits_one_and_keeps_the_good_bundle(
+    tmp_path: Path, scd_processes: list[ScdProcess], session_ray: str
+) -> None:
+    config = write_config(tmp_path, ray_address=session_ray, max_steps=100,
+                          extra="\n[checkpointing]\nenabled = true\ninterval_s = 3600\n")
     root = tmp_path / "out" / "checkpoints"
     first = ScdProcess(config, "--max-steps", "2")
     scd_processes.append(first)
@@ -176,10 +184,11 @@ def wait_for_health(port: int, status: int, needle: str, timeout: float = 60) ->
     raise AssertionError(f"/healthz never answered {status} {needle!r}; last: {got}")
 
 
-def test_healthz_names_a_checkpoint_failure_streak_and_a_stalled_loop(tmp_path: Path,
-                                                                      scd_processes: list[ScdProcess]) -> None:
+def test_healthz_names_a_checkpoint_failure_streak_and_a_stalled_loop(
+    tmp_path: Path, scd_processes: list[ScdProcess], session_ray: str
+) -> None:
     port = free_port()
-    config = write_config(tmp_path, max_steps=100_000, port=port,
+    config = write_config(tmp_path, ray_address=session_ray, max_steps=100_000, port=port,
                           extra="\n[checkpointing]\nenabled = true\ninterval_s = 3600\n")
     scd = ScdProcess(config, env={"SCD_FAULT": "mid_sidecar_write:1=enospc"})
     scd_processes.append(scd)
@@ -209,10 +218,10 @@ def run_to_the_end(config: Path, scd_processes: list[ScdProcess], *args: str) ->
 
 
 def test_restoring_an_older_bundle_is_refused_unless_discard_newer_moves_the_newer_ones_aside(
-    tmp_path: Path, scd_processes: list[ScdProcess]
+    tmp_path: Path, scd_processes: list[ScdProcess], session_ray: str
 ) -> None:
     """Continuing from an older bundle forks the run; scd says so, and --discard-newer keeps the fork linear."""
-    config = write_config(tmp_path, max_steps=100,
+    config = write_config(tmp_path, ray_address=session_ray, max_steps=100,
                           extra="\n[checkpointing]\nenabled = true\ninterval_s = 3600\nkeep_last = 3\n")
     root = tmp_path / "out" / "checkpoints"
     for steps in ("2", "4"):
@@ -284,13 +293,14 @@ def test_a_bundle_of_another_storage_unit_count_exits_3_naming_the_key_before_tq
     assert verified.info.storage_units is None and storage_units_of(verified.info) == 2
 
 
-def test_a_run_whose_dispatch_hangs_is_called_stalled_and_still_drains(tmp_path: Path,
-                                                                       scd_processes: list[ScdProcess]) -> None:
+def test_a_run_whose_dispatch_hangs_is_called_stalled_and_still_drains(
+    tmp_path: Path, scd_processes: list[ScdProcess], session_ray: str
+) -> None:
     """No silent stall: the 40th admission blocks forever (the tiny config's 32-group buffer then
     drains through training), so steps stop while the run serves; /healthz says so, the event log
     has one `stall` event, and a SIGTERM still drains cleanly."""
     port = free_port()
-    config = write_config(tmp_path, max_steps=100_000, port=port)
+    config = write_config(tmp_path, ray_address=session_ray, max_steps=100_000, port=port)
     config.write_text(config.read_text().replace("[telemetry]\n", "[telemetry]\nstall_after_s = 2\n"
                                                                   "stall_after_steps = 5\n"))
     scd = ScdProcess(config, env={"SCD_FAULT": "before_dispatch:40=block"})

@@ -167,6 +167,7 @@ def test_a_gated_sampler_never_stalls_when_its_groups_go_stale(name):
             ready.remove(g)
 
 
+@pytest.mark.slow  # an `scd` subprocess
 def test_a_bad_custom_sampler_exits_2_before_ray_starts(tmp_path):
     config = tmp_path / "scd.toml"
     config.write_text('[async_rl.sampler]\nname = "tests.test_samplers:LeakyQuota"\n')
@@ -179,6 +180,7 @@ def test_a_bad_custom_sampler_exits_2_before_ray_starts(tmp_path):
     assert "ray" not in out.stderr.lower() and time.monotonic() - started < 30
 
 
+@pytest.mark.slow  # an `scd` subprocess
 @pytest.mark.parametrize(("source", "error"), [
     ("class Broken(:\n", "SyntaxError"),
     ("raise RuntimeError('needs a GPU at import')\n", "RuntimeError: needs a GPU at import"),

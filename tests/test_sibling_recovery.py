@@ -134,14 +134,14 @@ async def test_finished_siblings_survive_a_crash_and_only_the_missing_ones_are_g
 
 
 def test_sigkill_with_groups_part_finished_reuses_their_siblings_and_trains_each_prompt_once(
-    tmp_path: Path, scd_processes: list[ScdProcess]
+    tmp_path: Path, scd_processes: list[ScdProcess], session_ray: str
 ) -> None:
     sampler = "windowed"  # the gated samplers' crash recovery: tests/test_crash_loop.py
     extra = (
         "\n[checkpointing]\nenabled = true\ninterval_s = 3600\nkeep_last = 3\n"
         f'[async_rl.sampler]\nname = "{sampler}"\nmax_staleness_versions = 1\n'
     )
-    config = write_config(tmp_path, max_steps=100_000, extra=extra)
+    config = write_config(tmp_path, ray_address=session_ray, max_steps=100_000, extra=extra)
     text = config.read_text().replace(
         "[generation]\n", '[generation]\nbackend = "synthetic"\n', 1).replace(
         "[generation.torch]\nbatch_groups = 8\n",

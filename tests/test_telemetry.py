@@ -38,9 +38,11 @@ def value(text: str, name: str, **labels: str) -> float:
     return samples(text)[(name, tuple(sorted(labels.items())))]
 
 
-def test_families_after_checkpoint_failure_and_restore(tmp_path: Path, scd_processes: list[ScdProcess]) -> None:
+def test_families_after_checkpoint_failure_and_restore(
+    tmp_path: Path, scd_processes: list[ScdProcess], session_ray: str
+) -> None:
     port = free_port()
-    config = write_config(tmp_path, max_steps=100_000, port=port, extra=TELEMETRY)
+    config = write_config(tmp_path, ray_address=session_ray, max_steps=100_000, port=port, extra=TELEMETRY)
     config.write_text(config.read_text().replace("[telemetry]\n", "[telemetry]\ntelemetry_interval_s = 0.5\n"))
     first = ScdProcess(config, env={"SCD_FAULT": "mid_sidecar_write:1=enospc"})
     scd_processes.append(first)

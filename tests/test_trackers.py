@@ -118,8 +118,9 @@ def counter(name: str, **labels: str) -> float:
 
 @pytest.mark.slow
 def test_every_tracker_shows_one_run_across_a_sigkill_and_restore(
-        tmp_path: Path, scd_processes: list[ScdProcess], monkeypatch: pytest.MonkeyPatch) -> None:
-    config = write_config(tmp_path, max_steps=100_000, extra=ALL_TRACKERS)
+    tmp_path: Path, scd_processes: list[ScdProcess], monkeypatch: pytest.MonkeyPatch, session_ray: str
+) -> None:
+    config = write_config(tmp_path, ray_address=session_ray, max_steps=100_000, extra=ALL_TRACKERS)
     out = tmp_path / "out"
     first = ScdProcess(config)
     scd_processes.append(first)

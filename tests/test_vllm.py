@@ -60,7 +60,8 @@ def vllm_config(model_dir: Path, out: Path, partition: str = "vllm", **sections:
     return derive_config(REPO / "configs" / "vllm-cpu.toml", base, sections)
 
 
-@pytest_asyncio.fixture(scope="session", loop_scope="session")
+# The module's engine: gone before test_vllm_engines starts its own (each reserves host memory).
+@pytest_asyncio.fixture(scope="module", loop_scope="session")
 async def engine(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[VLLMBackend]:
     config = vllm_config(tiny_llama, tmp_path_factory.mktemp("engine"))
     backend = await VLLMBackend.open(config, HFPolicy(config.model))
