@@ -546,8 +546,9 @@ def validate(config: Config) -> None:
                  "task.prompt_field", f"task.prompt_field and task.answer_field must be two column names, got "
                                       f"{task.prompt_field!r} and {task.answer_field!r}")
     else:
+        defaults = TaskConfig()
         for key in ("prompt_field", "answer_field", "system_prompt", "chat_template"):
-            _require(getattr(task, key) == getattr(TaskConfig(), key), f"task.{key}",
+            _require(getattr(task, key) == getattr(defaults, key), f"task.{key}",
                      f"applies to a dataset (task.name = 'jsonl' or 'parquet'); the built-in task {task.name!r} "
                      "is raw text")
     _require(task.chat_template in CHAT_TEMPLATE_WORDS or Path(task.chat_template).is_file(), "task.chat_template",
