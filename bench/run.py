@@ -33,7 +33,7 @@ from scd.checkpoint.save import capture_cut
 from scd.config import Config
 from scd.daemon import Controller, Triggers
 from scd.model.policy import build_policy
-from scd.tasks import build_task
+from scd.model.prompts import render_task
 from scd.training.grpo import GRPOTrainer
 
 RESULTS = REPO / "bench" / "results"
@@ -405,7 +405,7 @@ async def commit_path(tmp: Path, groups: int = 20_000) -> dict[str, float]:
     """Admit + commit + consume through barrier, index and ledger, with TQ taken out."""
     config = tiny(tmp / "commit", async_rl={"buffer_capacity_groups": groups + 64}, task={"size": groups})
     policy = build_policy(config.model, config.run.seed)
-    controller = Controller(config, _NoDataPlane(), None, policy, build_task(config.task),  # type: ignore[arg-type]
+    controller = Controller(config, _NoDataPlane(), None, policy, render_task(config, policy).prompts,  # type: ignore[arg-type]
                             GRPOTrainer(config, policy))
     started = time.monotonic()
     for _ in range(groups):

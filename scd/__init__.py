@@ -3,8 +3,9 @@
 Layering, bottom to top (a module imports only from layers below it):
 
 1. ``config``, ``errors``, ``records``, ``tasks``: typed configuration, error
-   types with exit codes, plain records, and the tasks' prompts and answers.
-   No I/O beyond reading the config and task files.
+   types with exit codes, plain records, and the tasks' prompts and answers
+   (built-in, or rows of a JSONL or Parquet file).  No I/O beyond reading the
+   config and task files.
 2. Controller state, pure parts: ``ledger`` (prompt lifecycle), ``replay``
    (metadata index of ready groups), ``samplers`` (which groups a train step
    may take), ``dataloader`` (seeded prompt order with a cursor), ``barrier``
@@ -14,7 +15,8 @@ Layering, bottom to top (a module imports only from layers below it):
    together and the only code that mutates them, each mutation under the
    barrier; TQ rows are written through a protocol handed in.
 3. ``model``: the seam trainer and generation share (the policy: tokenizer,
-   model, weights; weights as layer-sized chunks; the tiny models).
+   model, weights; weights as layer-sized chunks; the tiny models; the task's
+   prompts rendered once to the token ids both see).
 4. Adapters to the outside world: ``cluster`` (the Ray scd runs on, and the
    device plan: what the trainer ranks and engines get), ``dataplane``
    (TransferQueue on Ray, every call bounded), ``training`` (GRPO, and the

@@ -178,13 +178,25 @@ class RewardConfig(_Section):
 
 
 class TaskConfig(_Section):
-    name: Literal["reverse", "sort", "jsonl"] = "reverse"
+    # "reverse" and "sort" are built-in digit tasks shown as raw text; "jsonl" and "parquet" read path.
+    name: Literal["reverse", "sort", "jsonl", "parquet"] = "reverse"
     seed: int = 0
     size: int = 256
     min_digits: int = 4
     max_digits: int = 4
     path: str = ""
-    # A JSONL task's column that buckets prompts for skew telemetry (a difficulty, say); "" buckets them by
+    # A dataset's columns: the prompt (text, or a list of {"role", "content"} messages) and the answer (any JSON).
+    prompt_field: str = "prompt"
+    answer_field: str = "answer"
+    # Prepended to a dataset's prompts as a system message; needs a chat template to apply.
+    system_prompt: str = ""
+    # "auto": the tokenizer's chat template when it has one; "none": prompts are raw text; else a Jinja file.
+    chat_template: str = "auto"
+    # The longest prompt in tokens; 0: the model's context minus generation.max_new_tokens.
+    max_prompt_tokens: int = 0
+    # A longer prompt: "refuse" the run (exit 2), or "drop" the prompt and count it.
+    overlong_prompts: Literal["refuse", "drop"] = "refuse"
+    # A dataset's column that buckets prompts for skew telemetry (a difficulty, say); "" buckets them by
     # prompt length in tokens, or by completion length where every prompt is as long.
     bucket_field: str = ""
     # Empty: the character match every task scored with before rewards were configurable ("match").
@@ -300,13 +312,14 @@ class Config(_Section):
     def fingerprint_fields(self) -> dict[str, object]:
         """The settings that change what a stored rollout, or the sampler state beside it, means.
 
-        A JSONL task counts by content, not by path: a file edited in place changes
-        what every stored prompt id means.  A sampler that gates dispatch counts its
-        quota and target steps in steps of ``trainer.groups_per_step``; ``windowed`` is
-        the one built-in that does not (a custom sampler may, so it counts too).
+        A dataset task counts by content, not by path: a file edited in place changes
+        what every stored prompt id means; so does a chat template file.  A sampler that
+        gates dispatch counts its quota and target steps in steps of
+        ``trainer.groups_per_step``; ``windowed`` is the one built-in that does not (a
+        custom sampler may, so it counts too).
         """
-        task_content = hashlib.sha256(Path(self.task.path).read_bytes()).hexdigest() if self.task.name == "jsonl" \
-            else ""
+        task_content = hashlib.sha256(Path(self.task.path).read_bytes()).hexdigest() \
+            if self.task.name in DATASET_TASKS else ""
         gated = {"trainer.groups_per_step": self.trainer.groups_per_step} \
             if self.async_rl.sampler.name != "windowed" else {}
         task = {k: v for k, v in msgspec.to_builtins(self.task).items() if k not in _TASK_KEYS_NOT_FINGERPRINTED}
@@ -314,8 +327,16 @@ class Config(_Section):
             # The default reward is the score every run had before rewards were configurable: a bundle
             # written then keeps its fingerprint.
             del task["rewards"]
+        # Likewise the prompt keys at their defaults: prompts rendered as every run rendered them before.
+        defaults = TaskConfig()
+        for key in _TASK_PROMPT_KEYS:
+            if getattr(self.task, key) == getattr(defaults, key):
+                del task[key]
+        template = {"task.chat_template_sha256": hashlib.sha256(Path(self.task.chat_template).read_bytes()).hexdigest()
+                    } if self.task.chat_template not in CHAT_TEMPLATE_WORDS else {}
         return {
             **gated,
+            **template,
             "model": msgspec.to_builtins(self.model),
             "task": task,
             "task.content_sha256": task_content,
@@ -335,6 +356,12 @@ class Config(_Section):
 # Which column buckets prompts changes what telemetry counts, and how long a reward may take, what a
 # failed one scores or how many processes score is how the run copes, not what a stored rollout's reward means.
 _TASK_KEYS_NOT_FINGERPRINTED = frozenset({"bucket_field", "reward_timeout_s", "reward_errors", "reward_workers"})
+# What turns a dataset's rows into prompt tokens (scd.model.prompts).
+_TASK_PROMPT_KEYS = ("prompt_field", "answer_field", "system_prompt", "chat_template", "max_prompt_tokens",
+                     "overlong_prompts")
+DATASET_TASKS = frozenset({"jsonl", "parquet"})
+# task.chat_template values that name no file.
+CHAT_TEMPLATE_WORDS = frozenset({"auto", "none"})
 
 
 # msgspec reports the failing location as "$.section.key"; turn it into a dotted key.
@@ -419,6 +446,8 @@ def _resolve_paths(config: Config, base_dir: Path) -> None:
     if config.model.name != "tiny":
         config.model.name = _resolve(base_dir, config.model.name)
     config.task.path = _resolve(base_dir, config.task.path)
+    if config.task.chat_template not in CHAT_TEMPLATE_WORDS:
+        config.task.chat_template = _resolve(base_dir, config.task.chat_template)
     # Checkpoints and events default to living under the run's output directory.
     out = Path(config.run.output_dir)
     config.checkpointing.dir = _resolve(out, config.checkpointing.dir)
@@ -510,9 +539,22 @@ def validate(config: Config) -> None:
     _require(task.size >= 1, "task.size", "must be >= 1")
     _require(1 <= task.min_digits <= task.max_digits, "task.min_digits",
              f"need 1 <= min_digits <= max_digits, got {task.min_digits}..{task.max_digits}")
-    if task.name == "jsonl":
-        _require(bool(task.path), "task.path", "task.name = 'jsonl' needs a path to a JSONL file")
+    if task.name in DATASET_TASKS:
+        _require(bool(task.path), "task.path", f"task.name = {task.name!r} needs a path to a {task.name} file")
         _require(Path(task.path).is_file(), "task.path", f"{task.path} is not a file")
+        _require(bool(task.prompt_field) and bool(task.answer_field) and task.prompt_field != task.answer_field,
+                 "task.prompt_field", f"task.prompt_field and task.answer_field must be two column names, got "
+                                      f"{task.prompt_field!r} and {task.answer_field!r}")
+    else:
+        defaults = TaskConfig()
+        for key in ("prompt_field", "answer_field", "system_prompt", "chat_template"):
+            _require(getattr(task, key) == getattr(defaults, key), f"task.{key}",
+                     f"applies to a dataset (task.name = 'jsonl' or 'parquet'); the built-in task {task.name!r} "
+                     "is raw text")
+    _require(task.chat_template in CHAT_TEMPLATE_WORDS or Path(task.chat_template).is_file(), "task.chat_template",
+             f'must be "auto", "none" or a Jinja file; {task.chat_template} is not a file')
+    _require(task.max_prompt_tokens >= 0, "task.max_prompt_tokens",
+             f"must be >= 0 (0: the model's context minus generation.max_new_tokens), got {task.max_prompt_tokens}")
     _require(config.model.d_model % config.model.n_heads == 0, "model.n_heads",
              f"must divide model.d_model ({config.model.d_model})")
     _require(config.model.max_len >= 2 * task.max_digits + 2, "model.max_len",
@@ -532,8 +574,8 @@ def validate(config: Config) -> None:
              f"lists a tracker twice: {tel.trackers}")
     _require(bool(tel.wandb.project), "telemetry.wandb.project", "must be a W&B project name")
     _require(bool(tel.mlflow.experiment), "telemetry.mlflow.experiment", "must be an MLflow experiment name")
-    _require(not task.bucket_field or task.name == "jsonl", "task.bucket_field",
-             f"names a column of a JSONL task; task.name = {task.name!r} has none (leave it empty to bucket by "
+    _require(not task.bucket_field or task.name in DATASET_TASKS, "task.bucket_field",
+             f"names a column of a dataset task; task.name = {task.name!r} has none (leave it empty to bucket by "
              "prompt length)")
     _require(task.reward_timeout_s > 0, "task.reward_timeout_s", f"must be > 0, got {task.reward_timeout_s}")
     _require(task.reward_workers == "auto" or task.reward_workers >= 1, "task.reward_workers",

@@ -48,13 +48,13 @@ from scd.generation.base import GenerationBackend, GroupRequest
 from scd.generation.tokens import TokenCounter
 from scd.goodput import GoodputMeter
 from scd.model.policy import Policy, build_policy
+from scd.model.prompts import RenderedPrompt, render_task
 from scd.records import Rollout
 from scd.replay import GroupMeta, rollouts_of
 from scd.rollouts import Rollouts
 from scd.samplers import build_sampler
 from scd.schema import RestorePhase, Trigger
 from scd.state import ControllerState
-from scd.tasks import Prompt, build_task
 from scd.telemetry import metrics
 from scd.telemetry.tracker_hub import event_log
 from scd.training.base import Trainer
@@ -85,7 +85,7 @@ def _observe_blocked_mutation(kind: MutationKind, waited_s: float) -> None:
 
 class Controller:
     def __init__(self, config: Config, dataplane: DataPlane, backend: GenerationBackend, policy: Policy,
-                 prompts: list[Prompt], trainer: Trainer) -> None:
+                 prompts: list[RenderedPrompt], trainer: Trainer) -> None:
         self.config = config
         self.dataplane = dataplane
         self.backend = backend
@@ -126,9 +126,8 @@ class Controller:
             raise ConfigError("task.rewards", "configured rewards are not scored yet: leave [[task.rewards]] out "
                                               "(every task scores by its answer's character match)")
         policy = build_policy(config.model, config.run.seed)
-        prompts = build_task(config.task)
-        for prompt in prompts:
-            policy.check_text(prompt.text + prompt.answer, f"prompt {prompt.prompt_id}")
+        task = await anyio.to_thread.run_sync(render_task, config, policy)
+        metrics.prompts_dropped.labels("overlong").inc(task.dropped_overlong)
         async with Cluster.open(config) as cluster, DataPlane.open(config.data_plane) as dataplane:
             if config.checkpointing.enabled:
                 await cluster.require_shared_directory(Path(config.checkpointing.dir), "checkpointing.dir",
@@ -137,7 +136,7 @@ class Controller:
             serving = await open_backend(config, policy) if backend is None else backend
             try:
                 async with open_trainer(config, policy) as trainer:
-                    controller = cls(config, dataplane, serving, policy, prompts, trainer)
+                    controller = cls(config, dataplane, serving, policy, task.prompts, trainer)
                     async with controller.events:  # closing it waits (bounded, off the loop) for the trackers
                         await serving.update_weights(controller.trainer.live_weights(),
                                                      controller.state.weight_version)

@@ -51,13 +51,13 @@ from scd.errors import InvariantViolation
 from scd.generation.base import GroupRequest, GroupResult
 from scd.ledger import PromptLedger, PromptState, StagedSiblings
 from scd.model.policy import Policy
+from scd.model.prompts import RenderedPrompt
 from scd.records import COMPLETE, Completion, PartialSibling, Prefix, Rollout
 from scd.replay import GroupMeta, sample_ids_for
 from scd.rewards import match_score
 from scd.samplers import Sampler, gates_dispatch
 from scd.skew import bucket_prompts
 from scd.state import ControllerState
-from scd.tasks import Prompt
 from scd.telemetry import metrics
 
 log = logging.getLogger(__name__)
@@ -150,7 +150,7 @@ def _held_groups_limit(config: Config, sampler: Sampler) -> float:
 
 
 class Rollouts:
-    def __init__(self, config: Config, state: ControllerState, policy: Policy, prompts: list[Prompt],
+    def __init__(self, config: Config, state: ControllerState, policy: Policy, prompts: list[RenderedPrompt],
                  on_change: Callable[[], None]) -> None:
         self._config = config
         self._state = state
@@ -158,14 +158,8 @@ class Rollouts:
         self._prompts = prompts
         self._on_change = on_change
         self._group_size = config.generation.group_size
-        # Token ids and completion budget per prompt, encoded once.
-        self._encoded = [
-            (tuple(policy.encode_prompt(p.text)),
-             min(len(policy.encode_answer(p.answer)), config.generation.max_new_tokens))
-            for p in prompts
-        ]
-        state.use_buckets(bucket_prompts(config.task.bucket_field, [p.bucket for p in prompts],
-                                         [len(ids) for ids, _ in self._encoded], [n for _, n in self._encoded]))
+        state.use_buckets(bucket_prompts(config.task.bucket_field, [p.prompt.bucket for p in prompts],
+                                         [len(p.token_ids) for p in prompts], [p.max_tokens for p in prompts]))
         # Finished siblings of in-flight groups, by group id and sibling index.
         self._finished: dict[str, dict[int, Completion]] = {}
         # A restore's prefixes of part-way siblings, by group id and sibling index: each request
@@ -224,16 +218,16 @@ class Rollouts:
 
     def max_tokens_of(self, group_id: str) -> int:
         """The completion budget of ``group_id``'s prompt (a sibling longer than that cannot go on)."""
-        return self._encoded[self._state.ledger.entry(group_id).prompt_id][1]
+        return self._prompts[self._state.ledger.entry(group_id).prompt_id].max_tokens
 
     def request(self, group_id: str) -> GroupRequest:
         """The group's siblings that are not finished yet (all of them for a new prompt)."""
         entry = self._state.ledger.entry(group_id)
-        prompt_ids, max_tokens = self._encoded[entry.prompt_id]
+        prompt = self._prompts[entry.prompt_id]
         finished = self._finished.get(group_id, {})
         missing = tuple(i for i in range(self._group_size) if i not in finished)
         prefixes = tuple(sorted(self._prefixes.get(group_id, {}).items()))
-        return GroupRequest(group_id, entry.epoch, entry.prompt_id, prompt_ids, missing, max_tokens,
+        return GroupRequest(group_id, entry.epoch, entry.prompt_id, prompt.token_ids, missing, prompt.max_tokens,
                             entry.target_step, time.time(), prefixes)
 
     async def admit(self) -> GroupRequest:
@@ -471,7 +465,8 @@ class Rollouts:
     def _scored(self, result: GroupResult) -> list[Rollout]:
         """The task scores each sibling's decoded text: the one place a completion is judged."""
         req = result.request
-        answer = self._prompts[req.prompt_id].answer
+        # The character match every task scored with before rewards were configurable (a non-text answer as text).
+        answer = str(self._prompts[req.prompt_id].prompt.answer)
         completions = result.completions
         # One tensor per field for the whole group, split into per-sibling views (TQ copies each row).
         ids = torch.tensor([t for c in completions for t in (*req.prompt_ids, *c.token_ids)], dtype=torch.int64)

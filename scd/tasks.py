@@ -1,17 +1,21 @@
-"""Built-in verifiable tasks and a JSONL task: prompt text and answer text.
+"""The task's prompts: built-in verifiable tasks, or a dataset file (JSONL or Parquet).
 
 A task is a fixed list of prompts, each with the answer a verifier compares
-against.  Tasks are text: the policy's tokenizer turns a prompt into tokens and
-a completion back into text, and ``scd.rewards`` judges the text.  A completion
-may use as many tokens as its answer has, so the default reward is the fraction
-of answer positions the completion's text matches.
+against.  A built-in prompt is a digit string the model is shown as raw text.  A
+dataset row's prompt field is text or chat messages, its answer field any JSON
+value, and its other columns travel with it for the rewards; ``scd.model.prompts``
+renders each prompt to token ids once.  Until rewards are configurable, a
+completion may use as many tokens as a text answer has, and the reward is the
+fraction of answer positions the completion's text matches.
 """
 
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import orjson
 
@@ -22,60 +26,105 @@ from scd.errors import ConfigError
 PROMPT_END = "="
 # Skew telemetry keeps a counter per bucket and fate: a bucket field with more distinct values is refused.
 MAX_FIELD_BUCKETS = 64
+BUILTIN_TASKS = frozenset({"reverse", "sort"})
+
+# A dataset's prompt field as given: text, or chat messages ({"role", "content"}).
+PromptField = str | list[dict[str, Any]]
 
 
 @dataclass(frozen=True, slots=True)
 class Prompt:
-    prompt_id: int
-    text: str  # exactly what the model is shown
-    answer: str
-    bucket: str = ""  # the value of ``task.bucket_field`` (a JSONL task's column), for skew telemetry
+    prompt_id: int  # its index among the prompts the run uses
+    prompt: PromptField  # the prompt field as the dataset gives it (a built-in's: exactly the text shown)
+    answer: Any  # the answer field's value, any JSON; None where the row has no answer field
+    where: str  # file:line (Parquet: file:row N) or the built-in's name and index, for errors about it
+    row: dict[str, Any] = field(default_factory=dict)  # the row's columns other than prompt and answer
+    bucket: str = ""  # the value of ``task.bucket_field``, for skew telemetry
 
 
 def build_task(config: TaskConfig) -> list[Prompt]:
-    """The task's prompts, deterministic from ``config.seed``."""
+    """The task's prompts, deterministic from ``config.seed`` (built-ins) or the file's content."""
     if config.name == "jsonl":
-        return _load_jsonl(Path(config.path), config.bucket_field)
+        return _dataset_prompts(_jsonl_rows(Path(config.path)), config)
+    if config.name == "parquet":
+        return _dataset_prompts(_parquet_rows(Path(config.path)), config)
     rng = random.Random(config.seed)
     prompts = []
     for prompt_id in range(config.size):
         length = rng.randint(config.min_digits, config.max_digits)
         text = "".join(rng.choice("0123456789") for _ in range(length))
         answer = text[::-1] if config.name == "reverse" else "".join(sorted(text))
-        prompts.append(Prompt(prompt_id, text + PROMPT_END, answer))
+        prompts.append(Prompt(prompt_id, text + PROMPT_END, answer, f"task {config.name} prompt {prompt_id}"))
     return prompts
 
 
-def _load_jsonl(path: Path, bucket_field: str) -> list[Prompt]:
-    prompts: list[Prompt] = []
-    for line_no, line in enumerate(path.read_text().splitlines(), start=1):
+def _jsonl_rows(path: Path) -> Iterator[tuple[str, object]]:
+    for line_no, line in enumerate(path.read_bytes().splitlines(), start=1):
         if not line.strip():
             continue
         where = f"{path}:{line_no}"
         try:
-            record = orjson.loads(line)
-            text, answer = record["prompt"], record["answer"]
-        except (orjson.JSONDecodeError, KeyError, TypeError):
-            raise ConfigError("task.path", f"{where}: need a JSON object with 'prompt' and 'answer'") from None
-        if not isinstance(text, str) or not isinstance(answer, str) or not answer:
-            raise ConfigError("task.path", f"{where}: 'prompt' and 'answer' must be strings, answer non-empty")
-        prompts.append(Prompt(len(prompts), text, answer, _bucket_of(record, bucket_field, where)))
+            yield where, orjson.loads(line)
+        except orjson.JSONDecodeError as exc:
+            raise ConfigError("task.path", f"{where}: not JSON: {exc}") from None
+
+
+def _parquet_rows(path: Path) -> Iterator[tuple[str, object]]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        table = pq.read_table(path)
+    except (pa.ArrowInvalid, OSError) as exc:
+        raise ConfigError("task.path", f"{path}: not a Parquet file: {exc}") from None
+    # Rows count from 0, as pyarrow's and pandas' indexes do.
+    for row_no, record in enumerate(table.to_pylist()):
+        yield f"{path}:row {row_no}", record
+
+
+def _dataset_prompts(rows: Iterator[tuple[str, object]], config: TaskConfig) -> list[Prompt]:
+    prompt_key, answer_key = config.prompt_field, config.answer_field
+    prompts: list[Prompt] = []
+    for where, record in rows:
+        if not isinstance(record, dict):
+            raise ConfigError("task.path", f"{where}: a row must be an object of columns, got {type(record).__name__}")
+        if prompt_key not in record:
+            raise ConfigError("task.prompt_field", f"{where}: no {prompt_key!r} field (the row has {sorted(record)})")
+        if answer_key not in record and not config.rewards:
+            raise ConfigError("task.answer_field", f"{where}: no {answer_key!r} field (the row has {sorted(record)}); "
+                                                   "the default reward, the character match, compares against it")
+        row = {key: value for key, value in record.items() if key not in (prompt_key, answer_key)}
+        prompts.append(Prompt(len(prompts), _prompt_field(record[prompt_key], prompt_key, where),
+                              record.get(answer_key), where, row, _bucket_of(record, config.bucket_field, where)))
     if not prompts:
-        raise ConfigError("task.path", f"{path} holds no prompts")
+        raise ConfigError("task.path", f"{config.path} holds no prompts")
     buckets = {p.bucket for p in prompts}
     if len(buckets) > MAX_FIELD_BUCKETS:
-        raise ConfigError("task.bucket_field", f"{path}: {bucket_field!r} has {len(buckets)} distinct values; skew "
-                                               f"telemetry keeps counters per value, at most {MAX_FIELD_BUCKETS}: "
-                                               "name a coarser column, or leave it empty to bucket by length")
+        raise ConfigError("task.bucket_field", f"{config.path}: {config.bucket_field!r} has {len(buckets)} distinct "
+                                               f"values; skew telemetry keeps counters per value, at most "
+                                               f"{MAX_FIELD_BUCKETS}: name a coarser column, or leave it empty to "
+                                               "bucket by length")
     return prompts
 
 
-def _bucket_of(record: dict[str, object], field: str, where: str) -> str:
-    """A prompt's bucket: its ``field`` value as text ("" when no field is named)."""
-    if not field:
+def _prompt_field(value: object, key: str, where: str) -> PromptField:
+    """The prompt field checked: text, or a non-empty list of messages with string roles and contents."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list) and value and all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            for m in value):
+        return value
+    raise ConfigError("task.prompt_field", f"{where}: {key!r} must be a string or a non-empty list of "
+                                           f'{{"role", "content"}} messages with string values, got {value!r}')
+
+
+def _bucket_of(record: dict[str, object], column: str, where: str) -> str:
+    """A prompt's bucket: its ``column`` value as text ("" when no column is named)."""
+    if not column:
         return ""
-    value = record.get(field)
+    value = record.get(column)
     if isinstance(value, bool) or not isinstance(value, str | int | float):
-        raise ConfigError("task.bucket_field", f"{where}: needs a string or number field {field!r} "
+        raise ConfigError("task.bucket_field", f"{where}: needs a string or number field {column!r} "
                                                f"(the bucket of each prompt), got {value!r}")
     return str(value)

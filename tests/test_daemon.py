@@ -16,10 +16,10 @@ from scd.daemon import Controller, Triggers
 from scd.dataplane import DataPlane
 from scd.ledger import PromptState
 from scd.model.policy import build_policy
+from scd.model.prompts import render_task
 from scd.rollouts import Rollouts
 from scd.samplers import build_sampler
 from scd.state import ControllerState
-from scd.tasks import build_task
 from scd.training.grpo import GRPOTrainer
 from tests.conftest import tiny_config
 
@@ -90,7 +90,7 @@ def test_statistics_records_are_frozen(tmp_path: Path) -> None:
     config = tiny_config(tmp_path, "no-tq-needed")
     policy = build_policy(config.model, config.run.seed)
     state = ControllerState(4, 0, build_sampler(config), DataPlane(config.data_plane), CheckpointBarrier())
-    rollouts = Rollouts(config, state, policy, build_task(config.task), lambda: None)
+    rollouts = Rollouts(config, state, policy, render_task(config, policy).prompts, lambda: None)
     for record in (state.statistics(), state.barrier.statistics(), rollouts.statistics()):
         with pytest.raises(dataclasses.FrozenInstanceError):
             record.__setattr__(dataclasses.fields(record)[0].name, 1)

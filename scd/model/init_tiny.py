@@ -3,8 +3,10 @@
 No machine scd is tested on reaches a model hub, so tests, the example vLLM
 config and the GPU check all serve a model made here.  The tokenizer has one
 token per character of the tiny policy's alphabet, so the built-in tasks
-tokenize the same way under both policies.  vLLM's CPU attention rejects a
-head_dim of 16: the defaults give 32.
+tokenize the same way under both policies; after those come the characters of
+small chat tasks (upper case, more punctuation, newline) and one special token
+per chat role, which its chat template puts before each message.  vLLM's CPU
+attention rejects a head_dim of 16: the defaults give 32.
 """
 
 from __future__ import annotations
@@ -15,6 +17,18 @@ from pathlib import Path
 import torch
 
 from scd.model.policy import ALPHABET, BOS, EOS, PAD, SPECIAL_TOKENS, UNK
+
+# Appended after the tiny policy's alphabet, so every token it has keeps its id.
+CHAT_CHARACTERS = "ABCDEFGHIJKLMNOPQRSTUVWXYZ/?!'\"<>|_\n"
+ROLE_TOKENS = ("<|system|>", "<|user|>", "<|assistant|>")
+# Each message is its role's token, a newline, the content and a newline; an assistant turn ends with EOS.
+# Newlines are Jinja strings: transformers renders with trim_blocks, which drops a newline after a tag.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}{{ '<|' + message['role'] + '|>\\n' + message['content'] }}"
+    "{% if message['role'] == 'assistant' %}{{ eos_token }}{% endif %}{{ '\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"
+)
+VOCABULARY = (*SPECIAL_TOKENS, *ALPHABET, *CHAT_CHARACTERS, *ROLE_TOKENS)
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,20 +42,23 @@ class TinyLlamaShape:
 
 
 def write_tokenizer(directory: Path) -> None:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {token: i for i, token in enumerate(SPECIAL_TOKENS)}
-    vocab.update({ch: i + len(SPECIAL_TOKENS) for i, ch in enumerate(ALPHABET)})
-    tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token=SPECIAL_TOKENS[UNK]))
+    tokenizer = Tokenizer(models.WordLevel(vocab={token: i for i, token in enumerate(VOCABULARY)},
+                                           unk_token=SPECIAL_TOKENS[UNK]))
+    # Role tokens are matched whole before the text is split into characters.
+    tokenizer.add_special_tokens([AddedToken(token, special=True, normalized=False) for token in ROLE_TOKENS])
     tokenizer.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
     tokenizer.decoder = decoders.Fuse()
     bos = SPECIAL_TOKENS[BOS]
     tokenizer.post_processor = processors.TemplateProcessing(single=f"{bos} $A", special_tokens=[(bos, BOS)])
-    PreTrainedTokenizerFast(
+    fast = PreTrainedTokenizerFast(
         tokenizer_object=tokenizer, bos_token=bos, eos_token=SPECIAL_TOKENS[EOS],
         unk_token=SPECIAL_TOKENS[UNK], pad_token=SPECIAL_TOKENS[PAD],
-    ).save_pretrained(directory)
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(directory)
 
 
 def init_tiny(directory: Path, shape: TinyLlamaShape = TinyLlamaShape()) -> Path:
@@ -51,7 +68,7 @@ def init_tiny(directory: Path, shape: TinyLlamaShape = TinyLlamaShape()) -> Path
     directory.mkdir(parents=True, exist_ok=True)
     write_tokenizer(directory)
     config = LlamaConfig(
-        vocab_size=len(SPECIAL_TOKENS) + len(ALPHABET), hidden_size=shape.hidden_size,
+        vocab_size=len(VOCABULARY), hidden_size=shape.hidden_size,
         intermediate_size=4 * shape.hidden_size, num_hidden_layers=shape.num_layers,
         num_attention_heads=shape.num_heads, num_key_value_heads=shape.num_heads,
         max_position_embeddings=shape.max_position_embeddings, initializer_range=shape.initializer_range,

@@ -33,12 +33,24 @@ class Policy(Protocol):
     model_dir: Path | None  # a local HF directory, or None for the tiny model
     pad_id: int
 
+    unk_id: int | None  # the tokenizer's unknown token (None: it has none, as byte-level BPE)
+    chat_template: str | None  # the tokenizer's own chat template, if it has one
+    context_tokens: int  # positions the model has: a prompt and its completion together
+
     def encode_prompt(self, text: str) -> list[int]:
-        """Token ids the model sees for a prompt (special tokens included)."""
+        """Token ids the model sees for a raw-text prompt (special tokens included)."""
+        ...
+
+    def encode_chat(self, messages: list[dict[str, Any]], template: str) -> list[int]:
+        """Token ids the model sees for chat messages rendered by ``template``, an assistant turn opened."""
         ...
 
     def encode_answer(self, text: str) -> list[int]:
         """Token ids of an answer without special tokens: how many tokens a completion may use."""
+        ...
+
+    def unknown_characters(self, text: str) -> set[str]:
+        """The characters of ``text`` the tokenizer maps to its unknown token."""
         ...
 
     def decode(self, token_ids: Sequence[int]) -> str:
@@ -86,27 +98,32 @@ class TinyCausalLM(nn.Module):
 class TinyPolicy:
     model_dir = None
     pad_id = PAD
+    unk_id = UNK
+    chat_template = None
     vocab_size = len(SPECIAL_TOKENS) + len(ALPHABET)
 
     def __init__(self, config: ModelConfig, seed: int) -> None:
         self._config = config
         self._seed = seed
+        self.context_tokens = config.max_len
 
     def encode_prompt(self, text: str) -> list[int]:
         return [BOS, *self.encode_answer(text)]
 
+    def encode_chat(self, messages: list[dict[str, Any]], template: str) -> list[int]:
+        raise ConfigError("task.chat_template", "model.name = 'tiny' has no tokenizer to apply a chat template "
+                                                'with: set task.chat_template = "none" and give text prompts, or '
+                                                "serve a Hugging Face model (`scd model init-tiny DIR` makes one)")
+
     def encode_answer(self, text: str) -> list[int]:
-        return [_INDEX[ch] for ch in text]
+        return [_INDEX.get(ch, UNK) for ch in text]
+
+    def unknown_characters(self, text: str) -> set[str]:
+        return set(text) - set(ALPHABET)
 
     def decode(self, token_ids: Sequence[int]) -> str:
         skip = len(SPECIAL_TOKENS)
         return "".join(ALPHABET[t - skip] for t in token_ids if t >= skip)
-
-    def check_text(self, text: str, where: str) -> None:
-        unknown = set(text) - set(ALPHABET)
-        if unknown:
-            raise ConfigError("task.path", f"{where}: characters outside the tiny model's vocabulary: "
-                                           f"{sorted(unknown)}")
 
     def build_model(self) -> nn.Module:
         torch.manual_seed(self._seed)
@@ -123,26 +140,35 @@ class HFPolicy:
     """A local Hugging Face causal LM directory (``config.json``, safetensors, tokenizer files)."""
 
     def __init__(self, config: ModelConfig) -> None:
-        from transformers import AutoTokenizer
+        from transformers import AutoConfig, AutoTokenizer
 
         self.model_dir = Path(config.name)
         self._dtype = getattr(torch, config.dtype)
         self.tokenizer: Any = AutoTokenizer.from_pretrained(self.model_dir, local_files_only=True)
         pad = self.tokenizer.pad_token_id
         self.pad_id = pad if pad is not None else self.tokenizer.eos_token_id or 0
+        self.unk_id: int | None = self.tokenizer.unk_token_id
+        self.chat_template: str | None = self.tokenizer.chat_template
+        self.context_tokens: int = AutoConfig.from_pretrained(self.model_dir, local_files_only=True) \
+            .max_position_embeddings
 
     def encode_prompt(self, text: str) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=True)["input_ids"])
 
+    def encode_chat(self, messages: list[dict[str, Any]], template: str) -> list[int]:
+        return list(self.tokenizer.apply_chat_template(messages, chat_template=template, add_generation_prompt=True,
+                                                       tokenize=True, return_dict=False))
+
     def encode_answer(self, text: str) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
+    def unknown_characters(self, text: str) -> set[str]:
+        encoding = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        return {text[start:end] for token, (start, end) in zip(encoding["input_ids"], encoding["offset_mapping"],
+                                                               strict=True) if token == self.unk_id}
+
     def decode(self, token_ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
-
-    def check_text(self, text: str, where: str) -> None:
-        if not self.encode_answer(text):
-            raise ConfigError("task.path", f"{where}: encodes to no tokens under {self.model_dir}")
 
     def build_model(self) -> nn.Module:
         from transformers import AutoModelForCausalLM

@@ -26,8 +26,8 @@ import msgspec
 
 from scd.config import RewardConfig
 from scd.errors import ConfigError
+from scd.tasks import PromptField
 
-PromptField = str | list[dict[str, Any]]
 # A number, or a dict whose "score" is the reward and whose other keys are parts reported beside it.
 RewardValue = float | dict[str, float]
 RewardFunction = Callable[[PromptField, str, Any, dict[str, Any]], object]

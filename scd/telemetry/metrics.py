@@ -97,6 +97,13 @@ buffer_capacity_groups = Gauge(
     ["limit"],
 )
 
+# ---- prompts (scd.model.prompts) ---------------------------------------------------------------
+prompts_dropped = Counter(
+    "scd_prompts_dropped", "Prompts left out of the task at load, by reason (overlong: longer than "
+    "task.max_prompt_tokens, with task.overlong_prompts = \"drop\")", ["reason"],
+)
+prompts_dropped.labels("overlong")
+
 # ---- rewards (scd.rewards) ---------------------------------------------------------------------
 reward = Histogram(
     "scd_reward", "Each reward function's unweighted value per completion (a dict-returning one's parts as name/part)",
