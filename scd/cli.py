@@ -165,8 +165,9 @@ def _setup_logging() -> None:
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    code = _main(argv)
+def entry() -> None:
+    """The ``scd`` command: ``main``, and the process's exit with its code."""
+    code = main()
     if AbandonedCalls.count:
         # What scd started is stopped already; a thread stuck in a call it gave up on (a hung TQ) would
         # hold the interpreter's exit for ever.
@@ -174,10 +175,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
-    return code
+    sys.exit(code)
 
 
-def _main(argv: Sequence[str] | None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     _setup_logging()
     try:
@@ -222,4 +223,4 @@ def _main(argv: Sequence[str] | None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

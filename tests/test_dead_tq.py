@@ -8,6 +8,10 @@ import subprocess
 import time
 from pathlib import Path
 
+import pytest
+
+from scd import cli
+from scd.cluster import AbandonedCalls
 from tests.conftest import ScdProcess, write_config
 
 
@@ -46,3 +50,11 @@ def test_hung_tq_times_out_and_exits_non_zero(tmp_path: Path, scd_processes: lis
     assert time.monotonic() - stopped < 60
     assert "timed out after" in scd.output()
     assert "is TQ (Ray) alive?" in scd.output()
+
+
+def test_main_returns_its_code_in_process_even_after_an_abandoned_call(tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """Only the `scd` command leaves with os._exit after a call it abandoned (above); `cli.main`, which tests
+    and embedders call in their own process, returns."""
+    monkeypatch.setattr(AbandonedCalls, "count", 1)
+    assert cli.main(["checkpoint", "list", str(tmp_path)]) == 0
