@@ -258,6 +258,7 @@ def test_the_fingerprint_counts_prompt_keys_only_when_set(tmp_path: Path) -> Non
     assert with_template.fingerprint() != before
 
 
+@pytest.mark.slow  # an `scd` subprocess
 def test_scd_run_refuses_an_overlong_prompt_and_a_line_that_is_not_json(tmp_path: Path) -> None:
     task = write_jsonl(tmp_path / "task.jsonl", [{"prompt": "12=", "answer": "21"}] * 2 +
                        [{"prompt": "1" * 59 + "=", "answer": "1"}])

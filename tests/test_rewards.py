@@ -143,6 +143,7 @@ def test_reward_workers_auto_leaves_a_core_to_the_loop() -> None:
     assert task_config(reward_workers=3).reward_worker_count() == 3
 
 
+@pytest.mark.slow  # an `scd` subprocess
 @pytest.mark.parametrize(("function", "said"), [
     ("scd_no_such_module:reward", "cannot import 'scd_no_such_module'"),
     ("{good}:missing", "has no function 'missing'"),
