@@ -357,8 +357,9 @@ class Config(_Section):
 # failed one scores or how many processes score is how the run copes, not what a stored rollout's reward means.
 _TASK_KEYS_NOT_FINGERPRINTED = frozenset({"bucket_field", "reward_timeout_s", "reward_errors", "reward_workers"})
 # What turns a dataset's rows into prompt tokens (scd.model.prompts).
-_TASK_PROMPT_KEYS = ("prompt_field", "answer_field", "system_prompt", "chat_template", "max_prompt_tokens",
-                     "overlong_prompts")
+# Of those, the ones that mean nothing to a built-in task (raw text, no columns).
+_DATASET_ONLY_KEYS = ("prompt_field", "answer_field", "system_prompt", "chat_template")
+_TASK_PROMPT_KEYS = (*_DATASET_ONLY_KEYS, "max_prompt_tokens", "overlong_prompts")
 DATASET_TASKS = frozenset({"jsonl", "parquet"})
 # task.chat_template values that name no file.
 CHAT_TEMPLATE_WORDS = frozenset({"auto", "none"})
@@ -547,7 +548,7 @@ def validate(config: Config) -> None:
                                       f"{task.prompt_field!r} and {task.answer_field!r}")
     else:
         defaults = TaskConfig()
-        for key in ("prompt_field", "answer_field", "system_prompt", "chat_template"):
+        for key in _DATASET_ONLY_KEYS:
             _require(getattr(task, key) == getattr(defaults, key), f"task.{key}",
                      f"applies to a dataset (task.name = 'jsonl' or 'parquet'); the built-in task {task.name!r} "
                      "is raw text")
