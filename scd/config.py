@@ -516,6 +516,10 @@ def validate(config: Config) -> None:
     _require(1 <= syn.min_completion_tokens <= syn.max_completion_tokens, "generation.synthetic.min_completion_tokens",
              f"need 1 <= min_completion_tokens <= max_completion_tokens, got "
              f"{syn.min_completion_tokens}..{syn.max_completion_tokens}")
+    _require(gen.backend != "synthetic" or syn.max_completion_tokens <= gen.max_new_tokens,
+             "generation.synthetic.max_completion_tokens",
+             f"{syn.max_completion_tokens} is above generation.max_new_tokens = {gen.max_new_tokens}, every "
+             "completion's budget")
     _require(syn.batch_groups >= 1 and syn.max_concurrent_batches >= 1, "generation.synthetic.batch_groups",
              "batch_groups and max_concurrent_batches must be >= 1")
     _require(gen.backend != "synthetic" or config.model.name != "tiny"

@@ -129,6 +129,7 @@ num_cpus = 3
 
 [generation]
 group_size = 8
+max_new_tokens = 4
 max_inflight_prompts = 16
 [generation.torch]
 batch_groups = 8

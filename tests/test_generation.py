@@ -3,6 +3,8 @@ completions on the torch backend (EOS, stop strings, max_new_tokens, top-k / top
 
 from __future__ import annotations
 
+import math
+from dataclasses import replace
 from pathlib import Path
 
 import msgspec
@@ -16,8 +18,8 @@ from scd.generation.base import GroupRequest
 from scd.generation.torch_backend import TorchBackend
 from scd.model.policy import TinyPolicy
 from scd.model.sampling import Sampling
-from scd.records import Completion, FinishReason
-from scd.training.grpo import completion_logprobs
+from scd.records import Completion, FinishReason, Rollout
+from scd.training.grpo import GRPOTrainer, completion_logprobs
 
 
 def test_every_backend_name_has_a_class_and_its_config_sub_table() -> None:
@@ -34,6 +36,10 @@ def test_a_backend_name_outside_the_table_is_refused(tmp_path: Path) -> None:
 @pytest.mark.parametrize(("generation", "key"), [
     ({"top_p": 0.0}, "generation.top_p"), ({"top_p": 1.5}, "generation.top_p"),
     ({"top_k": -1}, "generation.top_k"), ({"stop": ["=", ""]}, "generation.stop"),
+    # One budget for every backend: the synthetic engine's lengths too.
+    ({"backend": "synthetic", "max_new_tokens": 8,
+      "synthetic": {"min_completion_tokens": 1, "max_completion_tokens": 12}},
+     "generation.synthetic.max_completion_tokens"),
 ])
 def test_bad_sampling_settings_name_their_key(tmp_path: Path, generation: dict[str, object], key: str) -> None:
     with pytest.raises(ConfigError) as info:
@@ -67,9 +73,10 @@ def test_top_k_then_top_p_keep_the_likeliest_tokens_at_the_temperature() -> None
     assert torch.allclose(truncated[1] - truncated[3], (logits[1] - logits[3]) / 2)
 
 
-def tiny_backend(tmp_path: Path, **generation: object) -> tuple[TorchBackend, GroupRequest, TinyPolicy, Config]:
+def tiny_backend(tmp_path: Path, trainer: dict[str, object] | None = None,
+                 **generation: object) -> tuple[TorchBackend, GroupRequest, TinyPolicy, Config]:
     """A torch backend on the tiny policy at its initial weights, and a request for 16 siblings."""
-    config = parse_config({"generation": {"temperature": 0.7, **generation}}, tmp_path)
+    config = parse_config({"generation": {"temperature": 0.7, **generation}, "trainer": trainer or {}}, tmp_path)
     policy = TinyPolicy(config.model, seed=3)
     request = GroupRequest("e0-p0", 0, 0, tuple(policy.encode_prompt("1234=")), tuple(range(16)),
                            config.generation.max_new_tokens, None, 0.0)
@@ -111,3 +118,20 @@ async def test_torch_logprobs_under_top_k_and_top_p_are_the_trainers(tmp_path: P
         untruncated = completion_logprobs(torch.log_softmax(logits / 0.7, -1), tokens)[0, len(request.prompt_ids) - 1:]
         assert torch.allclose(torch.tensor(c.logprobs), recomputed, atol=1e-5)
         assert (recomputed - untruncated).min() > 0.05  # truncation moved every token's logprob
+
+
+async def test_a_train_step_on_truncated_samples_recomputes_their_logprobs(tmp_path: Path) -> None:
+    backend, request, policy, config = tiny_backend(tmp_path, {"entropy_coef": 0.1}, max_new_tokens=12, top_p=0.9,
+                                                    top_k=5, stop=["7"])
+    groups = []
+    for group_id in ("e0-p0", "e0-p1"):
+        req = replace(request, group_id=group_id)
+        [result] = await backend.generate([req], ignore)
+        groups.append([Rollout(torch.tensor([*req.prompt_ids, *c.token_ids]), torch.tensor(c.logprobs),
+                               len(req.prompt_ids), reward=float(len(c.token_ids) % 2), weight_version=0)
+                       for c in result.completions])
+    # The trainer at the weights that sampled (GRPOTrainer builds the policy's initial model, as the backend did).
+    step = GRPOTrainer(config, policy).step(groups, weight_version=0)
+    assert step.logprob_mismatch_tokens == step.tokens == sum(len(r.logprobs) for g in groups for r in g)
+    assert step.logprob_mismatch_max is not None and step.logprob_mismatch_max < 1e-5
+    assert math.isfinite(step.loss) and math.isfinite(step.entropy) and step.clip_fraction == 0

@@ -119,8 +119,9 @@ class SyntheticBackend:
         for req in requests:
             body = req.prompt_ids[1:] or req.prompt_ids
             for index in req.siblings:
-                n = min(self._answer_tokens[req.prompt_id] if self._answer_tokens
-                        else self._rng.randint(*self._lengths), req.max_tokens)
+                # Validation holds the range within the budget; an answer may be longer.
+                n = min(self._answer_tokens[req.prompt_id], req.max_tokens) if self._answer_tokens \
+                    else self._rng.randint(*self._lengths)
                 prefix = req.prefix_of(index)
                 done = len(prefix.token_ids) if prefix else 0
                 new = max(n, done + 1) - done  # a resumed sibling had not finished: at least one more token

@@ -161,7 +161,8 @@ class GRPOTrainer:
         # The truncated sampling distribution, as generation drew from it (scd.model.sampling): a token
         # outside the new weights' top-k / top-p set has ratio 0, which the clip keeps out of the gradient.
         logp = self.sampling.logprobs(self.policy.logits(self.model, tokens))
-        new_logp = completion_logprobs(logp, tokens)
+        # Prompt and padding positions, outside every completion, may be -inf: 0 there, as old_logp is.
+        new_logp = completion_logprobs(logp, tokens).masked_fill(mask == 0, 0.0)
         ratio = torch.exp(new_logp - old_logp)
         adv = advantages.unsqueeze(1)
         clipped = torch.clamp(ratio, 1 - self.cfg.clip_eps, 1 + self.cfg.clip_eps)
