@@ -10,11 +10,13 @@ from pathlib import Path
 import msgspec
 import pytest
 import torch
+from prometheus_client import REGISTRY
 
 from scd.config import GENERATION_BACKENDS, Config, GenerationConfig, parse_config
 from scd.errors import ConfigError
 from scd.generation import BACKENDS
-from scd.generation.base import GroupRequest
+from scd.generation.base import GroupRequest, GroupResult
+from scd.generation.tokens import TokenCounter
 from scd.generation.torch_backend import TorchBackend
 from scd.model.policy import TinyPolicy
 from scd.model.sampling import Sampling
@@ -135,3 +137,19 @@ async def test_a_train_step_on_truncated_samples_recomputes_their_logprobs(tmp_p
     assert step.logprob_mismatch_tokens == step.tokens == sum(len(r.logprobs) for g in groups for r in g)
     assert step.logprob_mismatch_max is not None and step.logprob_mismatch_max < 1e-5
     assert math.isfinite(step.loss) and math.isfinite(step.entropy) and step.clip_fraction == 0
+
+
+def test_the_token_counter_counts_completions_by_how_they_ended() -> None:
+    counter = TokenCounter()
+    before = {r: REGISTRY.get_sample_value("scd_completions_total", {"finish_reason": r.value}) for r in FinishReason}
+    assert None not in before.values()  # every series exists from the start
+    request = GroupRequest("e0-p0", 0, 0, (1, 2), tuple(range(4)), 8, None, 0.0)
+    ended = [Completion([5] * n, [-1.0] * n, reason, 0) for n, reason in
+             ((3, FinishReason.EOS), (8, FinishReason.LENGTH), (5, FinishReason.STOP), (2, FinishReason.ABORT))]
+    counter.result(GroupResult(request, ended, end_weight_version=0, aborted="test"))
+    stats = counter.statistics()
+    # The aborted one is generated, never complete.
+    assert (stats.generated_tokens, stats.complete_completions, stats.truncated_completions,
+            stats.complete_completion_tokens) == (18, 3, 1, 16)
+    assert all(REGISTRY.get_sample_value("scd_completions_total", {"finish_reason": r.value}) == before[r] + 1
+               for r in FinishReason)

@@ -115,7 +115,8 @@ async def test_a_run_with_top_k_and_top_p_trains_at_agreement_and_reports_how_co
     # the agreement of vLLM's behaviour logprobs and the trainer's recomputation.
     config = sampling_config(tiny_llama, tmp_path / "out", partition,
                              async_rl={"sampler": {"name": "windowed", "max_staleness_versions": 0}})
-    before = {reason: REGISTRY.get_sample_value("scd_completions_total", {"finish_reason": reason.value})
+    # No series yet when no TokenCounter ran in this process before.
+    before = {reason: REGISTRY.get_sample_value("scd_completions_total", {"finish_reason": reason.value}) or 0.0
               for reason in FinishReason}
     async with Controller.open(config, backend=engine) as controller:
         with anyio.fail_after(240):
