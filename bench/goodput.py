@@ -59,7 +59,7 @@ CRASH_TOKENS_PER_S = 50_000.0
 async def regime(tmp: Path, name: str, tokens_per_s: float) -> dict[str, float]:
     config: Config = tiny(
         tmp / f"goodput-{name}", partition=f"bench-goodput-{name}", model={"max_len": 128},
-        generation={"backend": "synthetic", "max_inflight_prompts": 32,
+        generation={"backend": "synthetic", "max_inflight_prompts": 32, "max_new_tokens": COMPLETION_TOKENS,
                     "synthetic": {"tokens_per_s": tokens_per_s, "min_completion_tokens": COMPLETION_TOKENS,
                                   "max_completion_tokens": COMPLETION_TOKENS, "batch_groups": 4,
                                   "max_concurrent_batches": 4}},

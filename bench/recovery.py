@@ -95,7 +95,7 @@ async def crash_recovery(tmp: Path) -> dict[str, float]:
         config = tiny(
             tmp / f"crash-{sampler}", partition=f"bench-crash-{sampler}",
             # 16 groups (128 sequences) decode in lockstep, as in a vLLM batch; siblings end at their own length.
-            generation={"backend": "synthetic", "max_inflight_prompts": 32,
+            generation={"backend": "synthetic", "max_inflight_prompts": 32, "max_new_tokens": 48,
                         "synthetic": {"tokens_per_s": 4_000.0, "min_completion_tokens": 4,
                                       "max_completion_tokens": 48, "batch_groups": 16,
                                       "max_concurrent_batches": 1}},

@@ -299,6 +299,7 @@ async def live_checkpoints(tmp: Path, groups: int = 10_000, seconds: float = 75.
     config = tiny(
         tmp / "live", model={"max_len": 128},
         generation={"backend": "synthetic", "max_inflight_prompts": 32, "commit_queue_groups": 4096,
+                    "max_new_tokens": 110,
                     "synthetic": {"tokens_per_s": 20_000.0, "min_completion_tokens": 90,
                                   "max_completion_tokens": 110, "batch_groups": 4}},
         async_rl={"buffer_capacity_groups": groups + 4_000,

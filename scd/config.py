@@ -127,9 +127,15 @@ GENERATION_BACKENDS: dict[str, type[_Section]] = {
 class GenerationConfig(_Section):
     backend: str = "torch"  # a name in GENERATION_BACKENDS
     group_size: int = 8
-    # A completion may use at most this many tokens (and no more than its answer has).
+    # A completion ends at the policy's EOS token, at a stop string, or after this many tokens.
     max_new_tokens: int = 16
+    # Text that ends a completion (the tokens that produced it are kept); the synthetic backend has no text.
+    stop: list[str] = msgspec.field(default_factory=list)
     temperature: float = 1.0
+    # Sampling keeps the smallest set of likeliest tokens holding top_p of the probability (1.0: all) among
+    # the top_k likeliest (0: all); logprobs are of that truncated distribution, on both sides.
+    top_p: float = 1.0
+    top_k: int = 0
     max_inflight_prompts: int = 8
     # Finished groups that may wait for the committer (TQ puts queue behind a TQ save) while
     # generation goes on: how far generation runs ahead of a held commit path.
@@ -344,9 +350,17 @@ class Config(_Section):
             "generation.group_size": self.generation.group_size,
             "generation.max_new_tokens": self.generation.max_new_tokens,
             "generation.temperature": self.generation.temperature,
+            **self._truncation_fields(),
             "async_rl.sampler": msgspec.to_builtins(self.async_rl.sampler),
             "data_plane.partition": self.data_plane.partition,
         }
+
+    def _truncation_fields(self) -> dict[str, object]:
+        """Stop strings, top-p and top-k where they differ from the defaults: a bundle written before they
+        existed sampled with none of them, and keeps its fingerprint."""
+        defaults = GenerationConfig()
+        return {f"generation.{key}": getattr(self.generation, key) for key in ("stop", "top_p", "top_k")
+                if getattr(self.generation, key) != getattr(defaults, key)}
 
     def fingerprint(self) -> str:
         blob = orjson.dumps(self.fingerprint_fields(), option=orjson.OPT_SORT_KEYS)
@@ -482,6 +496,9 @@ def validate(config: Config) -> None:
              f"GRPO needs at least 2 completions per prompt, got {gen.group_size}")
     _require(gen.max_new_tokens >= 1, "generation.max_new_tokens", "must be >= 1")
     _require(gen.temperature > 0, "generation.temperature", f"must be > 0, got {gen.temperature}")
+    _require(0 < gen.top_p <= 1, "generation.top_p", f"must be in (0, 1], got {gen.top_p}")
+    _require(gen.top_k >= 0, "generation.top_k", f"must be >= 0 (0: off), got {gen.top_k}")
+    _require(all(gen.stop), "generation.stop", f"stop strings must not be empty, got {gen.stop}")
     _require(gen.max_inflight_prompts >= 1, "generation.max_inflight_prompts", "must be >= 1")
     _require(gen.commit_queue_groups >= 1, "generation.commit_queue_groups", "must be >= 1")
     _require(gen.torch.batch_groups >= 1, "generation.torch.batch_groups", "must be >= 1")
@@ -500,6 +517,10 @@ def validate(config: Config) -> None:
     _require(1 <= syn.min_completion_tokens <= syn.max_completion_tokens, "generation.synthetic.min_completion_tokens",
              f"need 1 <= min_completion_tokens <= max_completion_tokens, got "
              f"{syn.min_completion_tokens}..{syn.max_completion_tokens}")
+    _require(gen.backend != "synthetic" or syn.max_completion_tokens <= gen.max_new_tokens,
+             "generation.synthetic.max_completion_tokens",
+             f"{syn.max_completion_tokens} is above generation.max_new_tokens = {gen.max_new_tokens}, every "
+             "completion's budget")
     _require(syn.batch_groups >= 1 and syn.max_concurrent_batches >= 1, "generation.synthetic.batch_groups",
              "batch_groups and max_concurrent_batches must be >= 1")
     _require(gen.backend != "synthetic" or config.model.name != "tiny"

@@ -346,7 +346,8 @@ def decode_group(raw: bytes) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 
 _SIBLING_HEADER = struct.Struct("<qq")  # token count, finish reason (index into _FINISH_CODES)
-_FINISH_CODES = (FinishReason.STOP, FinishReason.LENGTH)
+# Append only: a staged sibling's code must mean the same to a later scd.
+_FINISH_CODES = (FinishReason.STOP, FinishReason.LENGTH, FinishReason.EOS)
 
 
 def encode_sibling(completion: Completion) -> bytes:

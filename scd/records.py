@@ -9,14 +9,15 @@ import torch
 
 
 class FinishReason(enum.StrEnum):
-    """Why a completion ended.  Only LENGTH and STOP are complete; anything else is never committed."""
+    """Why a completion ended.  Only EOS, STOP and LENGTH are complete; anything else is never committed."""
 
-    LENGTH = "length"
-    STOP = "stop"
+    EOS = "eos"  # the policy's end-of-sequence token (kept as the completion's last token)
+    STOP = "stop"  # a stop string (generation.stop) appeared in its text
+    LENGTH = "length"  # generation.max_new_tokens reached: truncated
     ABORT = "abort"
 
 
-COMPLETE = frozenset({FinishReason.LENGTH, FinishReason.STOP})
+COMPLETE = frozenset({FinishReason.EOS, FinishReason.STOP, FinishReason.LENGTH})
 
 
 @dataclass(slots=True)

@@ -19,7 +19,7 @@ import anyio
 from scd.checkpoint.checkpointer import Checkpointer
 from scd.config import Config
 from scd.dataplane import DataPlane
-from scd.generation.tokens import TokenCounter
+from scd.generation.tokens import TokenCounter, TokenCounterStatistics
 from scd.goodput import GoodputMeter
 from scd.replay import GroupMeta
 from scd.rollouts import Rollouts
@@ -52,6 +52,7 @@ class Watch:
         self.serves = serves  # whether the run serves (ready, not draining): only then can training stall
         self._last_stall = (0.0, 0.0)  # (monotonic time, seconds late) of the worst recent probe
         self._last_step_mark = (time.monotonic(), 0, 0, 0)  # (time, committed groups, committed tokens, tokens)
+        self._last_completions = tokens.statistics()  # the completions counted at the last step
         self._step_times: deque[float] = deque(maxlen=RECENT_STEPS)  # seconds between recent steps
         self._last_progress = time.monotonic()  # the last step's end, or the run's start
         self._stalled = ""  # why training looks stalled, or "" (what /healthz reports)
@@ -98,7 +99,8 @@ class Watch:
                  state.committed_groups, staleness, len(state.replay))
         now, groups_done = time.monotonic(), state.committed_groups
         committed = self.rollouts.statistics().committed_tokens
-        tokens = self.tokens.statistics().generated_tokens
+        completions = self.tokens.statistics()
+        tokens = completions.generated_tokens
         last_at, last_groups, last_committed, last_tokens = self._last_step_mark
         self._last_step_mark = (now, groups_done, committed, tokens)
         elapsed = max(now - last_at, 1e-9)
@@ -112,8 +114,18 @@ class Watch:
             committed_groups_per_s=(groups_done - last_groups) / elapsed,
             generated_tokens_per_s=(tokens - last_tokens) / elapsed,
             committed_tokens_per_s=(committed - last_committed) / elapsed,
-            **self.goodput.on_train_step(batch).event_fields(),
+            **self.goodput.on_train_step(batch).event_fields(), **self._completion_fields(completions),
         ))
+
+    def _completion_fields(self, now: TokenCounterStatistics) -> dict[str, float | None]:
+        """The share truncated and the mean length of the complete completions generated since the last
+        step (None when there were none)."""
+        last, self._last_completions = self._last_completions, now
+        complete = now.complete_completions - last.complete_completions
+        if not complete:
+            return {"truncation_rate": None, "completion_tokens_mean": None}
+        return {"truncation_rate": (now.truncated_completions - last.truncated_completions) / complete,
+                "completion_tokens_mean": (now.complete_completion_tokens - last.complete_completion_tokens) / complete}
 
     async def telemetry_sampler(self, interval_s: float) -> None:
         """Sample gauges on a wall-clock interval into /metrics and the event log; never touches checkpoints."""

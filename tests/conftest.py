@@ -27,7 +27,7 @@ SCD = [sys.executable, "-m", "scd.cli"]
 # one xdist worker, so the fixture starts once; vLLM's modules share one group, since each engine pins
 # the same cores and reserves a share of memory.
 SHARED_FIXTURE_GROUPS = {
-    "test_vllm": "vllm", "test_vllm_engines": "vllm",
+    "test_vllm": "vllm", "test_vllm_engines": "vllm", "test_vllm_sampling": "vllm",
     "test_checkpoint": "test_checkpoint", "test_data_safety": "test_data_safety",
     "test_sampler_restore": "test_sampler_restore", "test_cluster": "test_cluster",
 }
@@ -129,6 +129,7 @@ num_cpus = 3
 
 [generation]
 group_size = 8
+max_new_tokens = 4
 max_inflight_prompts = 16
 [generation.torch]
 batch_groups = 8

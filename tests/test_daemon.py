@@ -119,7 +119,7 @@ async def test_many_short_runs_each_end_cleanly(tmp_path: Path, partition: str) 
     stopped committer and turn a clean end (its final bundle written) into a failure."""
     config = tiny_config(
         tmp_path, partition, checkpointing={"enabled": True, "dir": str(tmp_path / "checkpoints"), "interval_s": 3600},
-        generation={"backend": "synthetic", "max_inflight_prompts": 16,
+        generation={"backend": "synthetic", "max_inflight_prompts": 16, "max_new_tokens": 12,
                     "synthetic": {"tokens_per_s": 20_000.0, "min_completion_tokens": 1, "max_completion_tokens": 12,
                                   "batch_groups": 4, "max_concurrent_batches": 4}})
     async with Controller.open(config) as controller:

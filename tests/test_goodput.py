@@ -31,7 +31,8 @@ def synthetic(tokens_per_s: float, completion_tokens: int = 4, **sections: dict[
     """The tests' config on the synthetic engine at ``tokens_per_s``, in small groups (4 siblings of
     ``completion_tokens``) so that training is quick even on a busy box; the busy ratio is read over 6 s."""
     return {**TESTS_CONFIG, "telemetry": {"metrics_port": 0, "goodput_window_s": 6.0},
-            "generation": {"backend": "synthetic", "group_size": 4, "max_inflight_prompts": 16, "synthetic": {
+            "generation": {"backend": "synthetic", "group_size": 4, "max_inflight_prompts": 16,
+                           "max_new_tokens": completion_tokens, "synthetic": {
                 "tokens_per_s": tokens_per_s, "min_completion_tokens": completion_tokens,
                 "max_completion_tokens": completion_tokens, "batch_groups": 4, "max_concurrent_batches": 4}},
             **sections}

@@ -114,8 +114,8 @@ async def test_synthetic_engine_keeps_generating_through_a_running_daemons_check
     a checkpoint of the running daemon never leaves it without work."""
     config = tiny_config(
         tmp_path, partition, model={"max_len": 64},
-        generation={"backend": "synthetic", "synthetic": {"tokens_per_s": 4000.0, "min_completion_tokens": 20,
-                                                          "max_completion_tokens": 40}},
+        generation={"backend": "synthetic", "max_new_tokens": 40,
+                    "synthetic": {"tokens_per_s": 4000.0, "min_completion_tokens": 20, "max_completion_tokens": 40}},
         async_rl={"buffer_capacity_groups": 256, "sampler": {"name": "windowed", "max_staleness_versions": 1000}},
         checkpointing={"enabled": True, "interval_s": 3600, "keep_last": 2})
     samples: list[tuple[bool, int]] = []

@@ -59,7 +59,7 @@ async def test_the_auto_interval_follows_a_slower_save_within_its_clamps_and_the
         tmp_path, partition,
         checkpointing={"enabled": True, "dir": str(tmp_path / "checkpoints"), "interval_s": "auto",
                        "mtbf_s": MTBF_S, "min_interval_s": MIN_S, "max_interval_s": MAX_S},
-        generation={"backend": "synthetic", "max_inflight_prompts": 16,
+        generation={"backend": "synthetic", "max_inflight_prompts": 16, "max_new_tokens": 12,
                     "synthetic": {"tokens_per_s": 20_000.0, "min_completion_tokens": 4, "max_completion_tokens": 12,
                                   "batch_groups": 4, "max_concurrent_batches": 4}})
     events = Path(config.telemetry.events_path)

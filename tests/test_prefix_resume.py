@@ -213,3 +213,19 @@ async def test_a_bundle_written_as_schema_4_restores_as_it_does_as_schema_5(tmp_
             await controller.dataplane.clear_all()
     assert restored["4"] == restored["5"]
     assert restored["5"][9] > 0  # part-way siblings resumed
+
+
+async def test_a_prefix_longer_than_its_answer_within_max_new_tokens_is_resumed(tmp_path: Path,
+                                                                                 partition: str) -> None:
+    # 4-digit answers, completions of 50-99 tokens: one rule, generation.max_new_tokens, bounds both what
+    # generation writes and the prefixes a restore takes up (the answer's length once bounded only the latter).
+    config = long_task_config(tmp_path, partition)
+    config = msgspec.structs.replace(config, task=msgspec.structs.replace(config.task, min_digits=4, max_digits=4))
+    bundle = await crash_after_a_checkpoint_with_prefixes(config)
+    part_way = orjson.loads((bundle / layout.SIDECAR_FILE).read_bytes())["prefixes"]
+    assert any(len(p[2]) > 4 for p in part_way)
+    async with Controller.open(config) as controller:
+        report = await controller.restore()
+        assert report is not None
+        assert report.siblings_resumed == len(part_way) and report.prefix_tokens_dropped == 0
+        await controller.dataplane.clear_all()

@@ -116,9 +116,9 @@ def test_rows_map_fields_and_keep_their_other_columns(tmp_path: Path) -> None:
         ("1+1=", {"value": 2}, {"level": 3, "tags": ["easy"]}, f"{task}:1"),
         ("12=", "21", {"level": 1}, f"{task}:2"),
     ]
-    # A text answer's tokens are the completion budget; any other answer gets generation.max_new_tokens.
+    # Every completion's budget is generation.max_new_tokens, whatever its answer: it may write before answering.
     rendered = render_task(config, build_policy(config.model, 0)).prompts
-    assert [p.max_tokens for p in rendered] == [config.generation.max_new_tokens, 2]
+    assert [p.max_tokens for p in rendered] == [config.generation.max_new_tokens] * 2
 
 
 def test_a_parquet_task_reads_chat_prompts_and_names_rows(tmp_path: Path, tokenizer_dir: Path) -> None:

@@ -44,6 +44,7 @@ def lifetime_config(directory: Path) -> Path:
     text = config.read_text()
     for old, new in [
         ("[generation]\n", '[generation]\nbackend = "synthetic"\n'),
+        ("max_new_tokens = 4\n", "max_new_tokens = 16\n"),
         ("max_inflight_prompts = 16\n", "max_inflight_prompts = 8\n"),
         ("[generation.torch]\nbatch_groups = 8\n",
          f"[generation.synthetic]\ntokens_per_s = {TOKENS_PER_S}.0\nmin_completion_tokens = 16\n"

@@ -30,7 +30,7 @@ from tests.test_crash_loop import effective_history
 from tests.test_data_safety import checkpoint_now
 from tests.test_process import metric, scrape
 
-SYNTHETIC = {"backend": "synthetic", "max_inflight_prompts": 8,
+SYNTHETIC = {"backend": "synthetic", "max_inflight_prompts": 8, "max_new_tokens": 40,
              "synthetic": {"tokens_per_s": 300.0, "min_completion_tokens": 2, "max_completion_tokens": 40,
                            "batch_groups": 4, "max_concurrent_batches": 1}}
 
@@ -144,6 +144,7 @@ def test_sigkill_with_groups_part_finished_reuses_their_siblings_and_trains_each
     config = write_config(tmp_path, ray_address=session_ray, max_steps=100_000, extra=extra)
     text = config.read_text().replace(
         "[generation]\n", '[generation]\nbackend = "synthetic"\n', 1).replace(
+        "max_new_tokens = 4\n", "max_new_tokens = 40\n", 1).replace(
         "[generation.torch]\nbatch_groups = 8\n",
         "[generation.synthetic]\ntokens_per_s = 600.0\nmin_completion_tokens = 2\nmax_completion_tokens = 40\n"
         "batch_groups = 4\nmax_concurrent_batches = 2\n")

@@ -24,7 +24,7 @@ from scd.config import Config
 from scd.dataloader import PromptOrder
 from scd.errors import InvariantViolation
 from scd.ledger import PromptLedger, PromptState, group_id_for
-from scd.records import Completion, FinishReason, Prefix
+from scd.records import COMPLETE, Completion, FinishReason, Prefix
 from scd.replay import GroupMeta, ReplayIndex, sample_ids_for
 from scd.rollouts import RolloutsCut
 from scd.samplers import DispatchView, SamplerStateError
@@ -206,7 +206,7 @@ def checked_rollouts_cut(bundle: Path, sidecar: Sidecar, ledger: PromptLedger, w
         refuse = checked("finished sibling", f.group_id, f.index, len(f.token_ids), len(f.logprobs))
         if not 0 <= f.weight_version <= weight_version:
             refuse(f"has weight version {f.weight_version}, above the cut's {weight_version} or negative")
-        if f.finish_reason not in (FinishReason.LENGTH.value, FinishReason.STOP.value):
+        if f.finish_reason not in COMPLETE:
             refuse(f"ends {f.finish_reason!r}")
         finished.setdefault(f.group_id, {})[f.index] = Completion(
             f.token_ids, f.logprobs, FinishReason(f.finish_reason), f.weight_version)

@@ -3,7 +3,9 @@
 ``generation.backend = "synthetic"`` produces complete groups of random tokens
 (drawn from each prompt's own token ids, so any policy can train on them) whose
 lengths are uniform in ``[min_completion_tokens, max_completion_tokens]`` (or, with
-``length_from = "answer"``, each its prompt's completion budget), at
+``length_from = "answer"``, each its prompt's answer's tokens), at most
+``generation.max_new_tokens``; one shorter than that ends as if at EOS (it has no text,
+so ``generation.stop`` does not apply), at
 ``tokens_per_s`` for the whole engine: one call after another (``scheduling =
 "queue"``), or up to ``max_concurrent_batches`` calls at once, each at its share
 of the rate, as in a continuous-batching engine (``"slots"``: a short request
@@ -29,6 +31,7 @@ import torch
 from scd.config import Config
 from scd.generation.base import BusyClock, EngineActivity, GroupRequest, GroupResult, SiblingSink
 from scd.model.policy import Policy
+from scd.model.prompts import render_task
 from scd.records import Completion, FinishReason, PartialSibling, Prefix
 from scd.telemetry import metrics
 
@@ -86,13 +89,13 @@ class SyntheticBackend:
     # It resumes a sibling from a restored prefix and reports its part-way ones at a cut.
     resumable = True
 
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: Config, answer_tokens: Sequence[int] = ()) -> None:
         synthetic = config.generation.synthetic
         self.batch_groups = synthetic.batch_groups
         self.max_concurrent_batches = synthetic.max_concurrent_batches
         self._rate = synthetic.tokens_per_s
         self._lengths = (synthetic.min_completion_tokens, synthetic.max_completion_tokens)
-        self._length_from_answer = synthetic.length_from == "answer"
+        self._answer_tokens = answer_tokens  # by prompt id, for length_from = "answer"
         self._slots = synthetic.scheduling == "slots"
         self._logprob = -math.log(max(2, synthetic.max_completion_tokens))
         self._rng = random.Random(config.run.seed + 1)
@@ -105,7 +108,10 @@ class SyntheticBackend:
 
     @classmethod
     async def open(cls, config: Config, policy: Policy) -> SyntheticBackend:
-        return cls(config)  # no model: ``policy`` goes unused
+        # No model: ``policy`` only tokenizes the answers that set lengths.
+        if config.generation.synthetic.length_from == "range":
+            return cls(config)
+        return cls(config, await anyio.to_thread.run_sync(_answer_tokens, config, policy))
 
     async def generate(self, requests: Sequence[GroupRequest], on_sibling: SiblingSink) -> list[GroupResult]:
         version = self._version
@@ -113,13 +119,17 @@ class SyntheticBackend:
         for req in requests:
             body = req.prompt_ids[1:] or req.prompt_ids
             for index in req.siblings:
-                n = req.max_tokens if self._length_from_answer else self._rng.randint(*self._lengths)
+                # Validation holds the range within the budget; an answer may be longer.
+                n = min(self._answer_tokens[req.prompt_id], req.max_tokens) if self._answer_tokens \
+                    else self._rng.randint(*self._lengths)
                 prefix = req.prefix_of(index)
                 done = len(prefix.token_ids) if prefix else 0
                 new = max(n, done + 1) - done  # a resumed sibling had not finished: at least one more token
                 tokens, logprobs = [self._rng.choice(body) for _ in range(new)], [self._logprob] * new
-                completion = prefix.continued(tokens, logprobs, FinishReason.LENGTH) if prefix else Completion(
-                    tokens, logprobs, FinishReason.LENGTH, version)
+                # It has no text: a completion shorter than its budget stands for one that ended at EOS.
+                finish = FinishReason.LENGTH if done + new == req.max_tokens else FinishReason.EOS
+                completion = prefix.continued(tokens, logprobs, finish) if prefix else Completion(
+                    tokens, logprobs, finish, version)
                 sequences.append(_Sequence(req, index, completion, prefix))
         sequences.sort(key=lambda q: q.new_tokens)
         tokens = sum(q.new_tokens for q in sequences)
@@ -177,3 +187,9 @@ class SyntheticBackend:
 
     async def aclose(self) -> None:
         return None
+
+
+def _answer_tokens(config: Config, policy: Policy) -> list[int]:
+    """Each prompt's answer's tokens, by prompt id (a non-text answer: the whole budget); blocking."""
+    return [len(policy.encode_answer(p.prompt.answer)) if isinstance(p.prompt.answer, str)
+            else config.generation.max_new_tokens for p in render_task(config, policy).prompts]

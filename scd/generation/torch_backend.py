@@ -9,11 +9,11 @@ from collections.abc import Mapping, Sequence
 
 import anyio
 import torch
-import torch.nn.functional as F
 
 from scd.config import Config
 from scd.generation.base import BusyClock, EngineActivity, GroupRequest, GroupResult, SiblingSink
 from scd.model.policy import Policy
+from scd.model.sampling import Sampling
 from scd.model.weights import unaliased
 from scd.records import Completion, FinishReason, PartialSibling
 from scd.telemetry import metrics
@@ -27,7 +27,8 @@ class TorchBackend:
 
     def __init__(self, config: Config, policy: Policy) -> None:
         self.batch_groups = config.generation.torch.batch_groups
-        self._temperature = config.generation.temperature
+        self._sampling = Sampling.of(config.generation)
+        self._stop = config.generation.stop
         self._policy = policy
         self._model = policy.build_model().eval()
         self._rng = torch.Generator().manual_seed(config.run.seed + 1)
@@ -87,30 +88,43 @@ class TorchBackend:
         for req in requests:
             by_shape[(len(req.prompt_ids), req.max_tokens)].append(req)
         results: dict[str, GroupResult] = {}
-        for (prompt_len, new_tokens), reqs in by_shape.items():
+        for (_, max_tokens), reqs in by_shape.items():
             prompts = torch.tensor([req.prompt_ids for req in reqs for _ in req.siblings], dtype=torch.int64)
-            tokens, logprobs = self._sample(prompts, new_tokens)
-            row = 0
+            sampled = iter(self._sample(prompts, max_tokens))
             for req in reqs:
-                completions = []
-                for _ in req.siblings:
-                    completions.append(Completion(
-                        token_ids=tokens[row, prompt_len:].tolist(), logprobs=logprobs[row].tolist(),
-                        finish_reason=FinishReason.LENGTH, weight_version=version,
-                    ))
-                    row += 1
+                completions = [Completion(tokens, logprobs, finish, version)
+                               for tokens, logprobs, finish in (next(sampled) for _ in req.siblings)]
                 results[req.group_id] = GroupResult(req, completions, end_weight_version=version)
-            with self._tokens_lock:
-                self._tokens += new_tokens * prompts.shape[0]
+                with self._tokens_lock:
+                    self._tokens += sum(len(c.token_ids) for c in completions)
         return [results[req.group_id] for req in requests]
 
-    def _sample(self, prompts: torch.Tensor, new_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _sample(self, prompts: torch.Tensor, max_tokens: int) -> list[tuple[list[int], list[float], FinishReason]]:
+        """Each row's completion: until EOS (kept), a stop string in its text (the token that completed it
+        kept, as vLLM keeps it) or ``max_tokens``.  Rows that have ended ride along until all have."""
+        rows = prompts.shape[0]
         tokens = prompts
-        logprobs = []
-        for _ in range(new_tokens):
-            logits = self._policy.logits(self._model, tokens)[:, -1] / self._temperature
-            logp = F.log_softmax(logits, dim=-1)
+        logprobs = torch.empty(rows, 0)
+        ended: list[FinishReason | None] = [None] * rows
+        lengths = [max_tokens] * rows
+        for step in range(max_tokens):
+            logp = self._sampling.logprobs(self._policy.logits(self._model, tokens)[:, -1])
             nxt = torch.multinomial(logp.exp(), 1, generator=self._rng)
-            logprobs.append(logp.gather(-1, nxt))
+            logprobs = torch.cat([logprobs, logp.gather(-1, nxt)], dim=1)
             tokens = torch.cat([tokens, nxt], dim=1)
-        return tokens, torch.cat(logprobs, dim=1)
+            for row in (r for r in range(rows) if ended[r] is None):
+                reason = self._ended(tokens[row, prompts.shape[1]:].tolist())
+                if reason is not None:
+                    ended[row], lengths[row] = reason, step + 1
+            if all(ended):
+                break
+        return [(tokens[row, prompts.shape[1]:prompts.shape[1] + lengths[row]].tolist(),
+                 logprobs[row, :lengths[row]].tolist(), ended[row] or FinishReason.LENGTH) for row in range(rows)]
+
+    def _ended(self, completion: list[int]) -> FinishReason | None:
+        """Why ``completion``, just grown by a token, ends there; None if it goes on."""
+        if completion[-1] == self._policy.eos_id:
+            return FinishReason.EOS
+        if self._stop and any(stop in self._policy.decode(completion) for stop in self._stop):
+            return FinishReason.STOP
+        return None

@@ -11,8 +11,11 @@ how ``make test`` exercises it.  Choices, each for a defect of an earlier draft:
   by its index, and a sibling is reported (``on_sibling``, to be staged) the
   moment it finishes complete.  A request with an aborted or missing sibling
   comes back marked ``aborted``; the daemon keeps its finished siblings.
-* Logprobs are vLLM's *processed* logprobs (after temperature), the trainer's
-  convention, so the PPO ratio is unbiased at any temperature.  No other logits
+* Logprobs are vLLM's *processed* logprobs (after temperature, top-k and top-p:
+  ``scd.model.sampling``), the trainer's convention, so the PPO ratio is of the
+  distribution the tokens were drawn from.  Its "stop" finish is a stop string
+  when ``stop_reason`` names one, else EOS; either way every token sampled is
+  kept (the text drops the stop string, the tokens do not).  No other logits
   processor may run (``min_tokens`` would mask EOS and shift the first token's
   logprob by -log(1 - p(EOS)), measured 0.014): an EOS-first completion is an
   empty row, which TQ stores like any other.
@@ -50,9 +53,6 @@ from scd.generation.weight_sync import WeightSync, WeightSyncPath
 from scd.model.policy import Policy
 from scd.records import COMPLETE, Completion, FinishReason, PartialSibling, Prefix
 from scd.telemetry import metrics
-
-# vLLM's finish reasons that scd knows; any other (an engine error, say) counts as aborted.
-_FINISH_REASONS = {reason.value: reason for reason in FinishReason}
 
 
 @dataclass(slots=True)
@@ -114,7 +114,7 @@ class VLLMBackend:
     def __init__(self, config: Config, engines: list[VLLMEngine], vllm: Any) -> None:
         self._vllm = vllm
         self.engines: Sequence[VLLMEngine] = tuple(engines)  # in index order; routing picks among them
-        self._temperature = config.generation.temperature
+        self._generation = config.generation
         self.max_concurrent_batches = config.generation.max_inflight_prompts
         self._weight_sync = WeightSync(config, self.engines)
         self._version = 0
@@ -176,9 +176,12 @@ class VLLMBackend:
         self._attempt += 1
         request_id = f"{part.request.group_id}#{self._attempt}"
         n, max_tokens = len(part.siblings), part.request.max_tokens - part.resumed_from
+        gen = self._generation
         params = self._vllm.SamplingParams(
-            n=n, temperature=self._temperature, max_tokens=max_tokens, logprobs=0,
-            output_kind=self._vllm.sampling_params.RequestOutputKind.DELTA, detokenize=False,
+            n=n, temperature=gen.temperature, top_p=gen.top_p, top_k=gen.top_k, max_tokens=max_tokens, logprobs=0,
+            stop=gen.stop, output_kind=self._vllm.sampling_params.RequestOutputKind.DELTA,
+            # Stop strings are found in the text; without them the tokens are all scd needs.
+            detokenize=bool(gen.stop),
         )
         budget, generated = n * max_tokens, 0
         # Staleness counts from a sibling's oldest token: a resumed one is as old as its prefix.
@@ -194,7 +197,7 @@ class VLLMBackend:
                     engine.outstanding_tokens -= len(c.token_ids)
                     if c.finish_reason is None or c.index in part.finished:
                         continue
-                    part.finished[c.index] = _FINISH_REASONS.get(c.finish_reason, FinishReason.ABORT)
+                    part.finished[c.index] = _finish_reason(c.finish_reason, c.stop_reason)
                     if part.finished[c.index] in COMPLETE:
                         on_sibling(part.request, part.siblings[c.index], part.completion(c.index))
         except Exception as exc:
@@ -258,3 +261,10 @@ class VLLMBackend:
         for engine in self.engines:
             await engine.close()
 
+
+def _finish_reason(finish_reason: str, stop_reason: int | str | None) -> FinishReason:
+    """scd's reason for vLLM's: its "stop" is a stop string when ``stop_reason`` names one, else EOS; any
+    reason scd does not know (an engine error, say) counts as aborted."""
+    if finish_reason == "stop":
+        return FinishReason.STOP if isinstance(stop_reason, str) else FinishReason.EOS
+    return FinishReason.LENGTH if finish_reason == "length" else FinishReason.ABORT

@@ -34,6 +34,7 @@ class Policy(Protocol):
     pad_id: int
 
     unk_id: int | None  # the tokenizer's unknown token (None: it has none, as byte-level BPE)
+    eos_id: int | None  # the token that ends a completion (None: only a stop string or the budget does)
     chat_template: str | None  # the tokenizer's own chat template, if it has one
     context_tokens: int  # positions the model has: a prompt and its completion together
 
@@ -99,6 +100,7 @@ class TinyPolicy:
     model_dir = None
     pad_id = PAD
     unk_id = UNK
+    eos_id = EOS
     chat_template = None
     vocab_size = len(SPECIAL_TOKENS) + len(ALPHABET)
 
@@ -148,6 +150,7 @@ class HFPolicy:
         pad = self.tokenizer.pad_token_id
         self.pad_id = pad if pad is not None else self.tokenizer.eos_token_id or 0
         self.unk_id: int | None = self.tokenizer.unk_token_id
+        self.eos_id: int | None = self.tokenizer.eos_token_id
         self.chat_template: str | None = self.tokenizer.chat_template
         self.context_tokens: int = AutoConfig.from_pretrained(self.model_dir, local_files_only=True) \
             .max_position_embeddings

@@ -34,7 +34,7 @@ log = logging.getLogger(__name__)
 class RenderedPrompt:
     prompt: Prompt
     token_ids: tuple[int, ...]  # what the model is shown, special tokens included
-    max_tokens: int  # the completion budget: a text answer's tokens, at most generation.max_new_tokens
+    max_tokens: int  # the completion budget, generation.max_new_tokens: generation and a restore's prefixes obey it
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,9 +72,8 @@ def render_task(config: Config, policy: Policy) -> RenderedTask:
                                   'task.overlong_prompts = "drop" to leave such prompts out')
             overlong.append(prompt.where)
             continue
-        budget = min(len(answer_ids), config.generation.max_new_tokens) if answer_ids \
-            else config.generation.max_new_tokens
-        kept.append(RenderedPrompt(replace(prompt, prompt_id=len(kept)), tuple(token_ids), budget))
+        kept.append(RenderedPrompt(replace(prompt, prompt_id=len(kept)), tuple(token_ids),
+                                   config.generation.max_new_tokens))
     unknown.report()
     if overlong:
         log.warning("left out %d prompts longer than %d tokens (%s; task.overlong_prompts = \"drop\"), the first "

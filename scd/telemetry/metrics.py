@@ -17,6 +17,12 @@ from scd.skew import PromptFates
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
 generation_tokens = Counter("scd_generation_tokens", "Tokens the generation backend produced")
+completions = Counter("scd_completions", "Completions generated, by why they ended (eos, stop, length, abort)",
+                      ["finish_reason"])
+completion_tokens = Histogram(
+    "scd_completion_tokens", "Tokens of each complete completion generated (a resumed one's prefix included)",
+    buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768),
+)
 committed_tokens = Counter("scd_committed_tokens", "Tokens of groups committed to the replay buffer")
 committed_groups = Counter("scd_committed_groups", "Groups committed to the replay buffer")
 group_completion_latency = Histogram(

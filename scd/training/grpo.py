@@ -10,10 +10,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from scd.config import Config
 from scd.model.policy import Policy, state_copy
+from scd.model.sampling import Sampling
 from scd.records import Rollout
 from scd.telemetry import metrics
 from scd.training.base import StepResult, StepShare, TrainerStatistics
@@ -56,10 +56,9 @@ def group_advantages(rewards: torch.Tensor, eps: float) -> torch.Tensor:
     return (rewards - rewards.mean()) / (rewards.std() + eps)
 
 
-def completion_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
-    """Log-probability of each next token, at the sampling temperature."""
-    logp = F.log_softmax(logits[:, :-1] / temperature, dim=-1)
-    return logp.gather(-1, tokens[:, 1:].unsqueeze(-1)).squeeze(-1)
+def completion_logprobs(logp: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """Log-probability of each next token under ``logp``, the sampling distribution at every position."""
+    return logp[:, :-1].gather(-1, tokens[:, 1:].unsqueeze(-1)).squeeze(-1)
 
 
 class GRPOTrainer:
@@ -72,7 +71,7 @@ class GRPOTrainer:
         self.device = torch.device(config.trainer.device)
         self.model = policy.build_model().to(self.device)
         self.cfg = config.trainer
-        self.temperature = config.generation.temperature
+        self.sampling = Sampling.of(config.generation)
         self.sharded = sharded
         self.world_size = 1
         if sharded:
@@ -159,8 +158,11 @@ class GRPOTrainer:
         tokens, old_logp, mask = tokens.to(self.device), old_logp.to(self.device), mask.to(self.device)
         advantages = advantages.to(self.device)
         self.model.train()
-        logits = self.policy.logits(self.model, tokens)
-        new_logp = completion_logprobs(logits, tokens, self.temperature)
+        # The truncated sampling distribution, as generation drew from it (scd.model.sampling): a token
+        # outside the new weights' top-k / top-p set has ratio 0, which the clip keeps out of the gradient.
+        logp = self.sampling.logprobs(self.policy.logits(self.model, tokens))
+        # Prompt and padding positions, outside every completion, may be -inf: 0 there, as old_logp is.
+        new_logp = completion_logprobs(logp, tokens).masked_fill(mask == 0, 0.0)
         ratio = torch.exp(new_logp - old_logp)
         adv = advantages.unsqueeze(1)
         clipped = torch.clamp(ratio, 1 - self.cfg.clip_eps, 1 + self.cfg.clip_eps)
@@ -172,8 +174,9 @@ class GRPOTrainer:
         loss = policy_loss
         entropy_sum = torch.zeros(())
         if self.cfg.entropy_coef:
-            probs = F.softmax(logits[:, :-1] / self.temperature, dim=-1)
-            token_entropy = -(probs * F.log_softmax(logits[:, :-1] / self.temperature, dim=-1)).sum(-1)
+            kept = logp[:, :-1]
+            # Truncated tokens have probability 0 and add nothing (0 x -inf would be NaN).
+            token_entropy = -(kept.exp() * kept.masked_fill(kept.isinf(), 0.0)).sum(-1)
             entropy_sum = (token_entropy * mask).sum()
             loss = loss - self.cfg.entropy_coef * entropy_sum / step_tokens
 
