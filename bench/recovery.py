@@ -22,7 +22,7 @@ from typing import Any
 import anyio
 import orjson
 
-from bench.commits import fake_group
+from bench.commits import ZERO_SCORES, fake_group
 from bench.configs import tiny
 from scd.checkpoint import layout
 from scd.daemon import Controller, Triggers
@@ -206,7 +206,7 @@ async def staging_cost(tmp: Path, groups: int = 400, rounds: int = 4, tokens: in
                     if mode == "staged":
                         await controller.state.stage_siblings(
                             [(result.request.group_id, i, c) for i, c in enumerate(result.completions[:-1])])
-                    await controller.rollouts.commit(result)
+                    await controller.rollouts.commit(result, ZERO_SCORES)
                 rates[mode].append(groups / (time.monotonic() - started))
                 await controller.state.finish_step(controller.state.replay.groups())
         await controller.dataplane.clear_all()

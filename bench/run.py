@@ -24,16 +24,17 @@ import orjson
 import torch
 
 from bench import engines, goodput, rewards, trainer_group
-from bench.commits import checkpoint_now, clear, fake_group, fill
+from bench.commits import ZERO_SCORES, checkpoint_now, clear, fake_group, fill
 from bench.configs import REPO, tiny
 from bench.recovery import crash_recovery, prefix_recovery, staging_cost
-from bench.summary import percentile
+from bench.summary import percentile, probe_loop
 from scd.checkpoint import layout
 from scd.checkpoint.save import capture_cut
 from scd.config import Config
 from scd.daemon import Controller, Triggers
 from scd.model.policy import build_policy
 from scd.model.prompts import render_task
+from scd.rewards import load_rewards
 from scd.training.grpo import GRPOTrainer
 
 RESULTS = REPO / "bench" / "results"
@@ -60,17 +61,12 @@ async def timed_run(config: Config, steps: int, probe: bool = False) -> dict[str
         await controller.run(max_steps=10)
         stalls: list[float] = []
 
-        async def loop_probe() -> None:
-            while True:
-                before = time.monotonic()
-                await anyio.sleep(0.01)
-                stalls.append(time.monotonic() - before - 0.01)
 
         groups0, tokens0 = controller.state.committed_groups, controller.tokens.statistics().generated_tokens
         started = time.monotonic()
         async with anyio.create_task_group() as tg:
             if probe:
-                tg.start_soon(loop_probe)
+                tg.start_soon(probe_loop, stalls)
             await controller.run(max_steps=10 + steps)
             tg.cancel_scope.cancel()
         elapsed = time.monotonic() - started
@@ -132,14 +128,9 @@ async def step_rate(config: Config, steps: int, warmup: int) -> StepRate:
     await clear(config.data_plane.partition)
     stalls: list[float] = []
 
-    async def loop_probe() -> None:
-        while True:
-            before = time.monotonic()
-            await anyio.sleep(0.01)
-            stalls.append(time.monotonic() - before - 0.01)
 
     async with Controller.open(config) as controller, anyio.create_task_group() as tg:
-        tg.start_soon(loop_probe)
+        tg.start_soon(probe_loop, stalls)
         await controller.run(max_steps=warmup + steps)
         tg.cancel_scope.cancel()
     at = {e["step"]: e["time"] for e in map(orjson.loads, Path(config.telemetry.events_path).read_bytes().splitlines())
@@ -407,11 +398,11 @@ async def commit_path(tmp: Path, groups: int = 20_000) -> dict[str, float]:
     config = tiny(tmp / "commit", async_rl={"buffer_capacity_groups": groups + 64}, task={"size": groups})
     policy = build_policy(config.model, config.run.seed)
     controller = Controller(config, _NoDataPlane(), None, policy, render_task(config, policy).prompts,  # type: ignore[arg-type]
-                            GRPOTrainer(config, policy))
+                            GRPOTrainer(config, policy), load_rewards(config.task, tmp))
     started = time.monotonic()
     for _ in range(groups):
         request = await controller.rollouts.admit()
-        await controller.rollouts.commit(fake_group(request, len(request.prompt_ids) + 4))
+        await controller.rollouts.commit(fake_group(request, len(request.prompt_ids) + 4), ZERO_SCORES)
     committed = time.monotonic() - started
     started = time.monotonic()
     batch = controller.state.replay.groups()
@@ -453,7 +444,7 @@ async def main(only: frozenset[str] = frozenset()) -> None:
                                 ("goodput_crash_loop", goodput.crash_loops),
                                 ("vllm_cpu", engines.vllm_cpu), ("weight_sync", engines.weight_sync),
                                 ("trackers_overhead", trackers_overhead), ("trainer_group", trainer_group.figures),
-                                ("reward_loop_stall", rewards.loop_stall)):
+                                ("reward_loop_stall", rewards.loop_stall), ("reward_stage", rewards.stage)):
                 known.add(name)
                 if only and name not in only:
                     continue

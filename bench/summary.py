@@ -2,11 +2,21 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
+import anyio
 import orjson
 
 RESULTS = Path(__file__).resolve().parent / "results"
+
+
+async def probe_loop(stalls: list[float]) -> None:
+    """How late the loop wakes a 10 ms sleep, appended to ``stalls`` until cancelled."""
+    while True:
+        before = time.monotonic()
+        await anyio.sleep(0.01)
+        stalls.append(time.monotonic() - before - 0.01)
 
 
 def percentile(samples: list[float], q: float) -> float:

@@ -52,7 +52,7 @@ async def run_daemon(config: Config, args: argparse.Namespace) -> None:
         async with anyio.create_task_group() as http:
             port = await http.start(serve_http, listener, lambda: opened[0].watch.health_problem() if opened else "",
                                     lambda: bool(opened) and opened[0].ready, name="http")
-            async with Controller.open(config) as controller:
+            async with Controller.open(config, config_dir=Path(args.config).resolve().parent) as controller:
                 controller.metrics_port = port
                 opened.append(controller)
                 await run_controller(controller, triggers, args)
@@ -193,8 +193,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return EXIT_OK
         config = load_config(args.config)
         # The rewards, a custom sampler, the trackers' packages and the device plan are checked here, before
-        # Ray or any engine starts.  A reward that does not resolve is named here, before the controller
-        # says that configured rewards are not scored yet.
+        # Ray or any engine starts.
         resolve_rewards(config.task, Path(args.config).resolve().parent)
         build_sampler(config)
         require_tracker_packages(config.telemetry)

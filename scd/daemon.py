@@ -5,8 +5,10 @@ Tasks (each named for what it does):
 * ``rollout_pump``    admits prompts (capacity, sampler gate) and hands them to generation
 * ``generation_pump`` batches admitted prompts into backend calls; finished groups go to the
   committer, aborted ones back to generation for their missing siblings only
-* ``committer``       (``Rollouts.committer``) stages siblings that finish before their group,
-  scores and commits finished groups, in generation's order; generation never waits for it
+* ``scoring``         (``Rollouts.scorer``, ``scd.scoring``) scores each sibling as it finishes, with the
+  configured rewards; waits out a reward service's outage
+* ``committer``       (``Rollouts.committer``) stages siblings that finish before their group, and
+  commits finished groups once scored whole; generation never waits for either
 * ``train_pump``      (the host task) selects groups, trains, syncs weights; takes due checkpoints
 * ``checkpoint_scheduler`` turns the interval and SIGUSR1 into a checkpoint due at the next step
   boundary; ``checkpoint_writer`` writes bundles, one at a time
@@ -24,6 +26,7 @@ deadline, then the last checkpoint is written and must succeed.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -42,7 +45,6 @@ from scd.checkpoint.restore import RestoreParts, RestoreReport, restore_state
 from scd.cluster import Cluster
 from scd.config import Config
 from scd.dataplane import DataPlane
-from scd.errors import ConfigError
 from scd.generation import open_backend
 from scd.generation.base import GenerationBackend, GroupRequest
 from scd.generation.tokens import TokenCounter
@@ -51,6 +53,7 @@ from scd.model.policy import Policy, build_policy
 from scd.model.prompts import RenderedPrompt, render_task
 from scd.records import Rollout
 from scd.replay import GroupMeta, rollouts_of
+from scd.rewards import Scorer, load_rewards
 from scd.rollouts import Rollouts
 from scd.samplers import build_sampler
 from scd.schema import RestorePhase, Trigger
@@ -85,7 +88,7 @@ def _observe_blocked_mutation(kind: MutationKind, waited_s: float) -> None:
 
 class Controller:
     def __init__(self, config: Config, dataplane: DataPlane, backend: GenerationBackend, policy: Policy,
-                 prompts: list[RenderedPrompt], trainer: Trainer) -> None:
+                 prompts: list[RenderedPrompt], trainer: Trainer, scorer: Scorer) -> None:
         self.config = config
         self.dataplane = dataplane
         self.backend = backend
@@ -93,7 +96,7 @@ class Controller:
         self.trainer = trainer
         self.state = ControllerState(len(prompts), config.task.seed, build_sampler(config), dataplane,
                                      CheckpointBarrier(on_blocked=_observe_blocked_mutation))
-        self.rollouts = Rollouts(config, self.state, policy, prompts, self._notify)
+        self.rollouts = Rollouts(config, self.state, policy, prompts, scorer, self._notify)
         self.tokens = TokenCounter()  # what the generation pump receives
         self.goodput = GoodputMeter(config, self.rollouts, backend, self.tokens)
         self.events = event_log(config.telemetry, Path(config.run.output_dir), lambda: self.state.run)
@@ -101,7 +104,7 @@ class Controller:
                                           self.rollouts, backend)
                              if config.checkpointing.enabled else None)
         self.watch = Watch(config, self.state, self.rollouts, self.goodput, self.tokens, trainer, dataplane,
-                           self.events, self.checkpointer, lambda: self.ready)
+                           self.events, self.checkpointer, lambda: self.ready, self.rollouts.scoring)
         self.metrics_port: int | None = None
         self.ready = False
         self._shutdown = anyio.Event()
@@ -113,22 +116,23 @@ class Controller:
 
     @classmethod
     @asynccontextmanager
-    async def open(cls, config: Config, backend: GenerationBackend | None = None) -> AsyncIterator[Controller]:
-        """Ray + TQ, the generation backend, the trainer; torn down in reverse order.
+    async def open(cls, config: Config, backend: GenerationBackend | None = None,
+                   config_dir: Path | None = None) -> AsyncIterator[Controller]:
+        """The rewards, Ray + TQ, the generation backend, the trainer; torn down in reverse order.
 
         A ``backend`` passed in (an engine shared across runs) must serve ``config.model``;
-        it stays open for its owner.
+        it stays open for its owner.  A reward's module is imported from ``config_dir`` (the config
+        file's directory; the working directory when none is given) first.
         """
         torch.set_num_threads(config.trainer.torch_threads)
         Path(config.run.output_dir).mkdir(parents=True, exist_ok=True)
         Path(config.telemetry.events_path).parent.mkdir(parents=True, exist_ok=True)
-        if config.task.rewards:  # scd.rewards is built and tested; the scoring stage that calls it is not yet
-            raise ConfigError("task.rewards", "configured rewards are not scored yet: leave [[task.rewards]] out "
-                                              "(every task scores by its answer's character match)")
+        scorer = load_rewards(config.task, config_dir or Path.cwd())
         policy = build_policy(config.model, config.run.seed)
         task = await anyio.to_thread.run_sync(render_task, config, policy)
         metrics.prompts_dropped.labels("overlong").inc(task.dropped_overlong)
-        async with Cluster.open(config) as cluster, DataPlane.open(config.data_plane) as dataplane:
+        async with (contextlib.aclosing(scorer), Cluster.open(config) as cluster,
+                    DataPlane.open(config.data_plane) as dataplane):
             if config.checkpointing.enabled:
                 await cluster.require_shared_directory(Path(config.checkpointing.dir), "checkpointing.dir",
                                                        dataplane.placement.storage_units)
@@ -136,7 +140,7 @@ class Controller:
             serving = await open_backend(config, policy) if backend is None else backend
             try:
                 async with open_trainer(config, policy) as trainer:
-                    controller = cls(config, dataplane, serving, policy, task.prompts, trainer)
+                    controller = cls(config, dataplane, serving, policy, task.prompts, trainer, scorer)
                     async with controller.events:  # closing it waits (bounded, off the loop) for the trackers
                         await serving.update_weights(controller.trainer.live_weights(),
                                                      controller.state.weight_version)
@@ -305,6 +309,7 @@ class Controller:
         to_generation, generation_in = anyio.create_memory_object_stream[GroupRequest](
             self.config.generation.max_inflight_prompts)
         async with anyio.create_task_group() as tg:
+            await tg.start(self.rollouts.scorer, name="scoring")
             await tg.start(self.rollouts.committer, name="committer")
             await tg.start(self.goodput.run, name="goodput")
             tg.start_soon(self.rollout_pump, to_generation, name="rollout_pump")

@@ -30,6 +30,8 @@ class GroupMeta(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     target_step: int | None = None
     admitted_at: float = 0.0
     committed_at: float = 0.0
+    # Each reward's (and reward part's) mean over the siblings that have it; none in bundles before schema 6.
+    reward_components: dict[str, float] = {}
 
     @property
     def tokens(self) -> int:

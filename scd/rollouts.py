@@ -9,21 +9,26 @@ so a crash does not lose it.
 A finished sibling lives in up to three stores, kept consistent here and only
 here: ``Rollouts`` holds it in memory (the next attempt at its group asks only
 for the others); once staged, the ledger names it and TQ's staging partition
-holds its bytes.  The rules:
+holds its bytes.  Its score (``scd.scoring``, which it is handed to as it
+finishes) is kept beside it in memory until its group commits.  The rules:
 
 * a sibling is staged only while its group is in flight and still holds that
   very completion (the group may have completed or dropped it meanwhile);
 * a sibling older than the staleness window is dropped from memory and then
   unstaged, in that order, through the committer's one stream, so a staging put
   and the unstage of the same key never race;
-* a group is committed whole: exactly ``group_size`` complete siblings.
+* a sibling is scored once: its score goes with it (into a cut, back from a
+  restore), and is dropped with it;
+* a group is committed whole: exactly ``group_size`` complete siblings, each
+  scored.
 
 Admission is paced here too (``has_capacity``), and what generation made and
 threw away (a group dropped stale, a finished sibling dropped out of the window,
 an aborted sibling's partial output) is counted here, where it is dropped.
 
 A checkpoint's cut holds the rollouts' part as a ``RolloutsCut`` (``capture``):
-the finished siblings it does not stage and the part-way ones.  A restore hands
+the finished siblings it does not stage, the part-way ones, and the scores of
+the finished ones.  A restore hands
 it back with the staged siblings read from TQ (``restore``), which applies the
 staleness window to all of them, once.
 
@@ -38,7 +43,7 @@ import enum
 import logging
 import math
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 import anyio
@@ -54,8 +59,9 @@ from scd.model.policy import Policy
 from scd.model.prompts import RenderedPrompt
 from scd.records import COMPLETE, Completion, PartialSibling, Prefix, Rollout
 from scd.replay import GroupMeta, sample_ids_for
-from scd.rewards import match_score
+from scd.rewards import Scored, Scorer
 from scd.samplers import Sampler, gates_dispatch
+from scd.scoring import ScoringStage, SiblingToScore
 from scd.skew import bucket_prompts
 from scd.state import ControllerState
 from scd.telemetry import metrics
@@ -102,6 +108,13 @@ class RolloutsCut:
 
     finished: dict[str, dict[int, Completion]] = field(default_factory=dict)  # queued for staging, or staged since
     prefixes: dict[str, dict[int, Prefix]] = field(default_factory=dict)  # part-way
+    # The scores of finished siblings, staged or in ``finished``; one without is owed its score.
+    scores: dict[str, dict[int, Scored]] = field(default_factory=dict)
+
+    def weight_version_of(self, ledger: PromptLedger, group_id: str, index: int) -> int:
+        """A finished sibling's version: the cut stages it (``ledger``, the cut's) or holds it in ``finished``."""
+        staged = dict(ledger.entry(group_id).staged)
+        return staged[index] if index in staged else self.finished[group_id][index].weight_version
 
     def finished_tokens(self) -> int:
         return sum(len(c.token_ids) for siblings in self.finished.values() for c in siblings.values())
@@ -122,11 +135,14 @@ class RolloutsRestored:
     prefix_tokens_reused: int
     prefix_tokens_dropped: int
     siblings_resumed: int
+    scores_reused: int  # finished siblings kept with their score: never scored again
+    scores_owed: int  # finished siblings kept without one: scored, not generated again
 
 
 @dataclass(frozen=True, slots=True)
 class RolloutsStatistics:
-    awaiting_commit: int  # complete groups queued for the committer (still in flight in the ledger)
+    awaiting_commit: int  # complete groups not committed yet (still in flight in the ledger)
+    awaiting_scores: int  # of those, groups with a sibling not scored yet
     committed_tokens: int  # completion tokens of committed groups
     wasted_tokens: int  # generated tokens thrown away, for any WasteReason
     finished_siblings: int  # held in memory for groups still in flight, staged or not
@@ -151,10 +167,9 @@ def _held_groups_limit(config: Config, sampler: Sampler) -> float:
 
 class Rollouts:
     def __init__(self, config: Config, state: ControllerState, policy: Policy, prompts: list[RenderedPrompt],
-                 on_change: Callable[[], None]) -> None:
+                 scorer: Scorer, on_change: Callable[[], None]) -> None:
         self._config = config
         self._state = state
-        self._policy = policy
         self._prompts = prompts
         self._on_change = on_change
         self._group_size = config.generation.group_size
@@ -165,9 +180,13 @@ class Rollouts:
         # A restore's prefixes of part-way siblings, by group id and sibling index: each request
         # for the sibling resumes from it, until the sibling finishes.
         self._prefixes: dict[str, dict[int, Prefix]] = {}
-        # Complete groups handed to the committer and not committed yet, by group id: still in flight
-        # in the ledger.  A committer that stops (the run ends) leaves them here for the next one.
+        # Complete groups not committed yet, by group id: still in flight in the ledger.  Each goes to the
+        # committer once all its siblings are scored; a committer that stops (the run ends) leaves them here
+        # for the next one.
         self._awaiting: dict[str, GroupResult] = {}
+        # The scores of finished siblings of in-flight groups (in _finished or _awaiting), by group id and index.
+        self._scores: dict[str, dict[int, Scored]] = {}
+        self.scoring = ScoringStage(scorer, prompts, policy.decode, self._on_scored)
         self._committed_tokens = 0
         self._wasted_tokens = 0
         self._capacity = _held_groups_limit(config, state.sampler)
@@ -178,7 +197,9 @@ class Rollouts:
 
     def statistics(self) -> RolloutsStatistics:
         return RolloutsStatistics(
-            awaiting_commit=len(self._awaiting), committed_tokens=self._committed_tokens,
+            awaiting_commit=len(self._awaiting),
+            awaiting_scores=sum(not self._fully_scored(group_id) for group_id in self._awaiting),
+            committed_tokens=self._committed_tokens,
             wasted_tokens=self._wasted_tokens,
             finished_siblings=sum(len(siblings) for siblings in self._finished.values()),
             staged_tokens=self._staged_tokens(),
@@ -193,8 +214,14 @@ class Rollouts:
                    for index, _ in ledger.entry(group_id).staged if index in siblings)
 
     def finished_siblings(self, group_id: str) -> dict[int, Completion]:
-        """A copy of ``group_id``'s finished siblings by index (empty when none)."""
+        """A copy of ``group_id``'s finished siblings by index (empty when none), a complete group's too."""
+        if group_id in self._awaiting:
+            return dict(enumerate(self._awaiting[group_id].completions))
         return dict(self._finished.get(group_id, {}))
+
+    def scores_of(self, group_id: str) -> dict[int, Scored]:
+        """A copy of the scores of ``group_id``'s finished siblings by index (empty when none)."""
+        return dict(self._scores.get(group_id, {}))
 
     # ---- admission and requests --------------------------------------------------------------
 
@@ -261,17 +288,22 @@ class Rollouts:
 
     def capture(self, ledger: PromptLedger, running: Sequence[PartialSibling]) -> RolloutsCut:
         """The siblings of ``ledger``'s in-flight groups (a cut's) that it does not stage: finished ones
-        still queued for staging (or staged since), and part-way ones: ``running`` (the backend's), else a
-        restored prefix not resumed yet.  Taken after the cut: a prefix is valid whenever taken (tokens only
-        grow)."""
+        still queued for staging (or staged since, or completing their group), and part-way ones:
+        ``running`` (the backend's), else a restored prefix not resumed yet; and the scores of the finished
+        ones, staged or not.  Taken after the cut: a prefix is valid whenever taken (tokens only grow), and a
+        score whenever its sibling is the one the cut holds."""
         unstaged_by_group: dict[str, dict[int, Completion]] = {}
         prefixes_by_group: dict[str, dict[int, Prefix]] = {}
+        scores_by_group: dict[str, dict[int, Scored]] = {}
         in_backend = {(p.group_id, p.index): p.prefix for p in running}
         for group_id in ledger.in_state(PromptState.IN_FLIGHT):
-            staged = {index for index, _ in ledger.entry(group_id).staged}
-            finished = self._finished.get(group_id, {})
+            staged_versions = dict(ledger.entry(group_id).staged)
+            staged = staged_versions.keys()
+            finished = self.finished_siblings(group_id)
             unstaged = {index: Completion(list(c.token_ids), list(c.logprobs), c.finish_reason, c.weight_version)
                         for index, c in finished.items() if index not in staged}
+            scores = {index: scored for index, scored in self._scores.get(group_id, {}).items()
+                      if staged_versions.get(index, finished[index].weight_version) == finished[index].weight_version}
             restored = self._prefixes.get(group_id, {})
             part_way: dict[int, Prefix] = {}
             for index in range(self._group_size):
@@ -284,7 +316,9 @@ class Rollouts:
                 unstaged_by_group[group_id] = unstaged
             if part_way:
                 prefixes_by_group[group_id] = part_way
-        return RolloutsCut(unstaged_by_group, prefixes_by_group)
+            if scores:
+                scores_by_group[group_id] = scores
+        return RolloutsCut(unstaged_by_group, prefixes_by_group, scores_by_group)
 
     async def restore(self, cut: RolloutsCut, staged: Mapping[str, Mapping[int, Completion]], *,
                       resumable: bool, shadow: bool) -> RolloutsRestored:
@@ -294,7 +328,8 @@ class Rollouts:
         One rule: a sibling whose oldest token is out of the staleness window is dropped and generated
         again (a staged one unstaged first), as is a part-way one when the backend cannot resume (not
         ``resumable``) or its prompt's budget has no room left, and every one in a ``shadow`` restore
-        (its siblings are all generated again).
+        (its siblings are all generated again).  A finished sibling kept keeps its score; one the cut
+        holds no score for is owed one (the scoring stage is handed it when it runs).
         """
         window_start = math.inf if shadow else self._state.window_start()
         reused = rerun = stale_tokens = 0
@@ -325,7 +360,15 @@ class Rollouts:
                     resumed += 1
                 else:
                     dropped_tokens += len(prefix.token_ids)
-        return RolloutsRestored(reused, rerun, stale_tokens, reused_tokens, dropped_tokens, resumed)
+        scores_reused = 0
+        for group_id, scores in cut.scores.items():
+            kept_scores = {i: scored for i, scored in scores.items() if i in self._finished.get(group_id, {})}
+            if kept_scores:
+                self._scores[group_id] = kept_scores
+                scores_reused += len(kept_scores)
+        scores_owed = sum(len(f) for f in self._finished.values()) - scores_reused
+        return RolloutsRestored(reused, rerun, stale_tokens, reused_tokens, dropped_tokens, resumed, scores_reused,
+                                scores_owed)
 
     # ---- what generation reports -------------------------------------------------------------
 
@@ -338,6 +381,7 @@ class Rollouts:
         finished = self._finished.setdefault(request.group_id, {})
         finished[index] = completion
         self._prefixes.get(request.group_id, {}).pop(index, None)
+        self.scoring.submit(SiblingToScore(request.group_id, request.prompt_id, index, completion))
         if len(finished) < self._group_size and self._to_commit is not None:
             self._to_commit.send_nowait(SiblingFinished(request, index, completion))
 
@@ -352,7 +396,9 @@ class Rollouts:
         prefixes = self._prefixes.get(request.group_id, {})
         for index, completion in zip(request.siblings, result.completions, strict=False):
             if completion.finish_reason in COMPLETE:
-                finished.setdefault(index, completion)
+                if index not in finished:  # not reported by on_sibling
+                    finished[index] = completion
+                    self.scoring.submit(SiblingToScore(request.group_id, request.prompt_id, index, completion))
                 prefixes.pop(index, None)
             else:
                 # A resumed sibling's prefix is not lost with it: the next request resumes from it again.
@@ -364,12 +410,50 @@ class Rollouts:
         self._prefixes.pop(request.group_id, None)
         complete = GroupResult(replace(request, siblings=tuple(range(self._group_size))),
                                [finished[i] for i in range(self._group_size)], result.end_weight_version)
-        # Generation is done with it: its slot goes to the next prompt, even while commits wait on a TQ save.
+        # Generation is done with it: its slot goes to the next prompt, even while it waits for its scores or
+        # its commit waits on a TQ save.
         self._awaiting[request.group_id] = complete
         self._on_change()
+        if self._fully_scored(request.group_id):
+            self._send_to_commit(complete)
+        return True
+
+    # ---- scores ------------------------------------------------------------------------------
+
+    def _fully_scored(self, group_id: str) -> bool:
+        return len(self._scores.get(group_id, {})) == self._group_size
+
+    def _send_to_commit(self, complete: GroupResult) -> None:
         if self._to_commit is not None:
             self._to_commit.send_nowait(complete)
-        return True
+
+    def owed_scores(self) -> list[SiblingToScore]:
+        """Every finished sibling of an in-flight group without a score: what a starting scoring stage is
+        handed (those finished while it did not run, or a restore kept without their score)."""
+        owed = []
+        for group_id in [*self._finished, *self._awaiting]:
+            scores = self._scores.get(group_id, {})
+            prompt_id = self._state.ledger.entry(group_id).prompt_id
+            owed.extend(SiblingToScore(group_id, prompt_id, index, completion)
+                        for index, completion in self.finished_siblings(group_id).items() if index not in scores)
+        return owed
+
+    async def scorer(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        """The scoring stage (``scd.scoring``), handed every sibling owed a score."""
+        await self.scoring.run(self.owed_scores(), task_status=task_status)
+
+    def _on_scored(self, sibling: SiblingToScore, scored: Scored) -> None:
+        """A sibling's score: kept with it while it is the group's, and the group goes to the committer once
+        complete and scored whole.  Each sibling is scored once (enforced here)."""
+        group_id, index = sibling.group_id, sibling.index
+        if self.finished_siblings(group_id).get(index) is not sibling.completion:
+            return  # dropped out of the staleness window while it was scored
+        scores = self._scores.setdefault(group_id, {})
+        if index in scores:
+            raise InvariantViolation(f"sibling {index} of group {group_id} scored twice")
+        scores[index] = scored
+        if group_id in self._awaiting and self._fully_scored(group_id):
+            self._send_to_commit(self._awaiting[group_id])
 
     async def redispatch_aborted(self, result: GroupResult) -> GroupRequest:
         """A group generation gave back incomplete goes to generation again for its missing siblings;
@@ -381,6 +465,7 @@ class Rollouts:
         stale = tuple((i, c.weight_version) for i, c in sorted(finished.items()) if c.weight_version < window_start)
         for index, _ in stale:
             self._waste(WasteReason.STALE_SIBLING, len(finished.pop(index).token_ids))
+            self._scores.get(group_id, {}).pop(index, None)
         prefixes = self._prefixes.get(group_id, {})
         for index in [i for i, p in prefixes.items() if p.oldest_version < window_start]:
             self._waste(WasteReason.STALE_SIBLING, len(prefixes.pop(index).token_ids))
@@ -415,8 +500,9 @@ class Rollouts:
         """
         to_commit, items = anyio.create_memory_object_stream[CommitItem](math.inf)
         self._to_commit = to_commit
-        for result in self._awaiting.values():
-            to_commit.send_nowait(result)
+        for group_id, result in self._awaiting.items():
+            if self._fully_scored(group_id):
+                to_commit.send_nowait(result)
         held: CommitItem | None = None
         try:
             task_status.started()
@@ -438,12 +524,13 @@ class Rollouts:
                     await self._unstage(item)
                 else:
                     try:
-                        await self.commit(item)
+                        await self.commit(item, self._scores[item.request.group_id])
                     finally:
                         # Cancelled mid-commit, the group may or may not have been committed: the ledger knows.
                         group_id = item.request.group_id
                         if self._state.ledger.state_of(group_id) is not PromptState.IN_FLIGHT:
                             del self._awaiting[group_id]
+                            del self._scores[group_id]
         finally:
             self._to_commit = None
             to_commit.close()
@@ -462,11 +549,9 @@ class Rollouts:
         staged = set(self._state.ledger.entry(item.group_id).staged)
         await self._state.unstage_siblings(item.group_id, tuple(s for s in item.siblings if s in staged))
 
-    def _scored(self, result: GroupResult) -> list[Rollout]:
-        """The task scores each sibling's decoded text: the one place a completion is judged."""
+    def _rollouts(self, result: GroupResult, scores: Mapping[int, Scored]) -> list[Rollout]:
+        """The group's rows, each with its sibling's reward."""
         req = result.request
-        # The character match every task scored with before rewards were configurable (a non-text answer as text).
-        answer = str(self._prompts[req.prompt_id].prompt.answer)
         completions = result.completions
         # One tensor per field for the whole group, split into per-sibling views (TQ copies each row).
         ids = torch.tensor([t for c in completions for t in (*req.prompt_ids, *c.token_ids)], dtype=torch.int64)
@@ -475,20 +560,22 @@ class Rollouts:
         logprob_rows = logprobs.split([len(c.logprobs) for c in completions])
         return [
             Rollout(input_ids=row_ids, logprobs=row_logprobs, prompt_len=len(req.prompt_ids),
-                    reward=match_score(self._policy.decode(c.token_ids), answer), weight_version=c.weight_version)
-            for c, row_ids, row_logprobs in zip(completions, id_rows, logprob_rows, strict=True)
+                    reward=scores[index].total, weight_version=c.weight_version)
+            for index, (c, row_ids, row_logprobs) in enumerate(zip(completions, id_rows, logprob_rows, strict=True))
         ]
 
-    async def commit(self, result: GroupResult) -> None:
-        """Score a finished group and commit it.  Only a complete group is committed (enforced here):
-        exactly ``group_size`` siblings, none truncated or aborted."""
+    async def commit(self, result: GroupResult, scores: Mapping[int, Scored]) -> None:
+        """Commit a finished group with its siblings' ``scores``.  Only a complete group is committed (enforced
+        here): exactly ``group_size`` siblings, none aborted, each scored."""
         req = result.request
         incomplete = result.incomplete_reason()
         if req.siblings != tuple(range(self._group_size)):
             incomplete = f"siblings {list(req.siblings)} of {self._group_size}"
+        if not incomplete and not all(index in scores for index in range(self._group_size)):
+            incomplete = f"scores of siblings {sorted(scores)} only"
         if incomplete:
             raise InvariantViolation(f"commit of incomplete group {req.group_id}: {incomplete}")
-        rollouts = self._scored(result)
+        rollouts = self._rollouts(result, scores)
         group = GroupMeta(
             group_id=req.group_id, epoch=req.epoch, prompt_id=req.prompt_id,
             sample_ids=sample_ids_for(req.group_id, len(rollouts)),
@@ -497,6 +584,7 @@ class Rollouts:
             prompt_len=len(req.prompt_ids), seq_lens=tuple(r.input_ids.shape[0] for r in rollouts),
             rewards=tuple(r.reward for r in rollouts), weight_versions=tuple(r.weight_version for r in rollouts),
             target_step=req.target_step, admitted_at=req.admitted_at, committed_at=time.time(),
+            reward_components=_mean_components(scores[index] for index in range(self._group_size)),
         )
         await self._state.commit(group, rollouts)
         self._committed_tokens += group.completion_tokens
@@ -504,3 +592,15 @@ class Rollouts:
         metrics.committed_tokens.inc(group.completion_tokens)
         metrics.group_completion_latency.observe(group.committed_at - req.admitted_at)
         self._on_change()
+
+
+def _mean_components(scores: Iterable[Scored]) -> dict[str, float]:
+    """Each component's mean over the siblings that have it (a dict-returning reward may name other parts
+    for other completions)."""
+    sums: dict[str, float] = {}
+    counts: dict[str, int] = {}
+    for scored in scores:
+        for name, value in scored.components.items():
+            sums[name] = sums.get(name, 0.0) + value
+            counts[name] = counts.get(name, 0) + 1
+    return {name: sums[name] / counts[name] for name in sums}

@@ -19,13 +19,15 @@ import msgspec
 
 from scd.replay import GroupMeta
 
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 # Schema 3: a TQ key per group (a value of bytes), BLAKE3 file digests, ``Sidecar.uncut_keys``.
 # Schema 4: ledger entries list their staged siblings (TQ's staging partition); a schema 3 bundle
 # reads as one with none staged.
 # Schema 5: the finished siblings a cut did not stage are ``Sidecar.finished_siblings``, no longer
 # prefixes with a finish reason; an older sidecar's are split out as it is read.
-READABLE_SCHEMAS = frozenset({3, 4, SCHEMA_VERSION})
+# Schema 6: the scores of in-flight groups' finished siblings (``Sidecar.sibling_scores``) and each ready
+# group's reward components (``GroupMeta.reward_components``); a schema 5 bundle reads as one with none.
+READABLE_SCHEMAS = frozenset({3, 4, 5, SCHEMA_VERSION})
 
 
 class CheckpointPhase(enum.StrEnum):
@@ -189,6 +191,17 @@ class FinishedSiblingRecord(msgspec.Struct, array_like=True, forbid_unknown_fiel
     finish_reason: str
 
 
+class SiblingScoreRecord(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
+    """The score of a finished sibling of an in-flight group at the cut (staged, or one of
+    ``Sidecar.finished_siblings``): a restore never scores it again."""
+
+    group_id: str
+    index: int
+    weight_version: int  # the sibling's: which completion of that index was scored
+    total: float
+    components: dict[str, float]
+
+
 class Sidecar(_Document):
     """``replay_buffer_metadata.json``: the replay index and the ledger, no tensors."""
 
@@ -208,6 +221,8 @@ class Sidecar(_Document):
     prefixes: list[PrefixRecord] = []
     # Finished siblings of in-flight groups the cut did not stage: a restore keeps them as finished.
     finished_siblings: list[FinishedSiblingRecord] = []
+    # Scores of the cut's finished siblings of in-flight groups; one that has none is scored by the restore.
+    sibling_scores: list[SiblingScoreRecord] = []
 
 
 class _Schema4PrefixRecord(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
@@ -238,7 +253,8 @@ def _sidecar_from_schema_4(old: _Schema4Sidecar, name: str) -> Sidecar:
         else:
             raise SchemaError(f"{name} is malformed: the finished prefix of sibling {p.index} of group "
                               f"{p.group_id} has version runs {p.version_runs}, not one from its first token")
-    fields = {f: getattr(old, f) for f in Sidecar.__struct_fields__ if f not in ("prefixes", "finished_siblings")}
+    fields = {f: getattr(old, f) for f in Sidecar.__struct_fields__
+              if f not in ("prefixes", "finished_siblings", "sibling_scores")}
     return Sidecar(**fields, prefixes=prefixes, finished_siblings=finished)
 
 
@@ -279,7 +295,7 @@ def decode(path: Path, kind: type[D]) -> D:
         raise SchemaError(f"{path.name} has schema_version {version!r}; this scd reads "
                           f"{sorted(READABLE_SCHEMAS)}")
     try:
-        if kind is Sidecar and version != SCHEMA_VERSION:
+        if kind is Sidecar and version in (3, 4):
             return cast(D, _sidecar_from_schema_4(msgspec.json.decode(raw, type=_Schema4Sidecar), path.name))
         return msgspec.json.decode(raw, type=kind)
     except msgspec.DecodeError as exc:

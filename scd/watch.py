@@ -23,6 +23,7 @@ from scd.generation.tokens import TokenCounter, TokenCounterStatistics
 from scd.goodput import GoodputMeter
 from scd.replay import GroupMeta
 from scd.rollouts import Rollouts
+from scd.scoring import ScoringStage
 from scd.state import ControllerState
 from scd.telemetry import metrics
 from scd.telemetry.events import EventLog, Sample, Stall, TrainStep
@@ -39,7 +40,7 @@ RECENT_STEPS = 32  # step times the stall limit's median is taken over
 class Watch:
     def __init__(self, config: Config, state: ControllerState, rollouts: Rollouts, goodput: GoodputMeter,
                  tokens: TokenCounter, trainer: Trainer, dataplane: DataPlane, events: EventLog,
-                 checkpointer: Checkpointer | None, serves: Callable[[], bool]) -> None:
+                 checkpointer: Checkpointer | None, serves: Callable[[], bool], scoring: ScoringStage) -> None:
         self.config = config
         self.state = state
         self.rollouts = rollouts
@@ -50,6 +51,7 @@ class Watch:
         self.events = events
         self.checkpointer = checkpointer
         self.serves = serves  # whether the run serves (ready, not draining): only then can training stall
+        self.scoring = scoring
         self._last_stall = (0.0, 0.0)  # (monotonic time, seconds late) of the worst recent probe
         self._last_step_mark = (time.monotonic(), 0, 0, 0)  # (time, committed groups, committed tokens, tokens)
         self._last_completions = tokens.statistics()  # the completions counted at the last step
@@ -67,6 +69,10 @@ class Watch:
                     f"data_plane.call_timeout_s = {self.config.data_plane.call_timeout_s}s")
         if self.checkpointer is not None and self.checkpointer.consecutive_failures:
             return f"checkpointing failed {self.checkpointer.consecutive_failures} time(s) in a row"
+        scoring = self.scoring.statistics()
+        if scoring.unavailable:
+            return (f"scoring has waited {scoring.unavailable_s:.0f}s for a reward ({scoring.scoring} siblings "
+                    f"waiting): {scoring.unavailable}")
         return self._stalled
 
     def publish_gauges(self) -> None:
@@ -115,6 +121,7 @@ class Watch:
             generated_tokens_per_s=(tokens - last_tokens) / elapsed,
             committed_tokens_per_s=(committed - last_committed) / elapsed,
             **self.goodput.on_train_step(batch).event_fields(), **self._completion_fields(completions),
+            reward_components=_batch_components(batch),
         ))
 
     def _completion_fields(self, now: TokenCounterStatistics) -> dict[str, float | None]:
@@ -173,3 +180,10 @@ class Watch:
             metrics.loop_stall.observe(late)
             if late >= self._last_stall[1] or now - self._last_stall[0] >= LOOP_STALL_WINDOW_S:
                 self._last_stall = (now, late)
+
+
+def _batch_components(batch: list[GroupMeta]) -> dict[str, float]:
+    """Each reward component's mean over the step's groups that have it (each group's is its siblings' mean)."""
+    names = {name for group in batch for name in group.reward_components}
+    return {name: statistics.fmean(g.reward_components[name] for g in batch if name in g.reward_components)
+            for name in sorted(names)}

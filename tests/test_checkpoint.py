@@ -115,6 +115,13 @@ async def test_restore_gives_back_every_row_tensor_for_tensor(golden: dict[str, 
     assert [layout.step_of(b) for b in layout.finalized_bundles(root)] == [3, 6, 8]
 
 
+def score_of_no_sibling(sidecar: dict[str, Any], in_flight: bool) -> None:
+    """A score the cut holds no finished sibling for: of a group not in flight, or of a version none has."""
+    group_id = next((e[0] for e in sidecar["ledger"]["entries"] if e[3] == "in_flight"), "e0-p0") if in_flight \
+        else "e99-p0"
+    sidecar["sibling_scores"].append([group_id, 0, 10_000, 1.0, {}])
+
+
 BROKEN: list[tuple[str, Callable[[Path], None], str]] = [
     ("schema version",
      lambda b: edit_json(b, layout.TRAINING_INFO_FILE, lambda d: d.update(schema_version=99), seal=False),
@@ -175,6 +182,13 @@ BROKEN: list[tuple[str, Callable[[Path], None], str]] = [
      lambda b: edit_json(b, layout.SIDECAR_FILE, lambda d: d["finished_siblings"].append(
          [d["groups"][0]["group_id"], 0, [5], [-1.0], 6, "stop"])),
      "does not hold in flight"),
+    # A score is part of the cut only beside its finished sibling, of the very version.
+    ("score of a group not in flight",
+     lambda b: edit_json(b, layout.SIDECAR_FILE, lambda d: score_of_no_sibling(d, in_flight=False)),
+     "the score of sibling 0 of group e99-p0 is for a group the cut's ledger does not hold in flight"),
+    ("score of no finished sibling",
+     lambda b: edit_json(b, layout.SIDECAR_FILE, lambda d: score_of_no_sibling(d, in_flight=True)),
+     "(version 10000) is for no finished sibling of the cut"),
 ]
 
 
@@ -455,8 +469,8 @@ async def test_io_failures_are_retried_then_stop_the_daemon_leaving_bundles_inta
     assert not layout.leftover_tmp_dirs(root)
 
 
-@pytest.mark.parametrize(("name", "breaker", "message"), BROKEN[:3] + BROKEN[6:10] + BROKEN[-2:], ids=[
-    b[0] for b in BROKEN[:3] + BROKEN[6:10] + BROKEN[-2:]])
+@pytest.mark.parametrize(("name", "breaker", "message"), BROKEN[:3] + BROKEN[6:10] + BROKEN[-4:], ids=[
+    b[0] for b in BROKEN[:3] + BROKEN[6:10] + BROKEN[-4:]])
 def test_scd_checkpoint_verify_rejects_offline(golden: dict[str, Any], tmp_path: Path, name: str,
                                                breaker: Callable[[Path], None], message: str) -> None:
     root = copy_bundles(golden, tmp_path)

@@ -17,6 +17,7 @@ from scd.dataplane import DataPlane
 from scd.ledger import PromptState
 from scd.model.policy import build_policy
 from scd.model.prompts import render_task
+from scd.rewards import load_rewards
 from scd.rollouts import Rollouts
 from scd.samplers import build_sampler
 from scd.state import ControllerState
@@ -58,7 +59,11 @@ async def test_reward_rises_and_the_books_balance(tmp_path: Path, partition: str
     assert first < 0.15
     assert last > first + 0.3, (first, last)
     steps_trained = [e for e in events if e["trained_tokens"] > 0 and 0 <= e["clip_fraction"] <= 1]
-    assert len(steps_trained) == steps and all(e["entropy"] >= 0 for e in events)
+    assert len(steps_trained) == steps
+    # Measured on every step though configs/tiny.toml has no entropy bonus: a sampling policy's is above 0.
+    assert config.trainer.entropy_coef == 0 and all(e["entropy"] > 0 for e in events)
+    # The default reward is the character match, through the scoring stage, reported as a component.
+    assert all(e["reward_components"]["match"] == pytest.approx(e["reward_mean"]) for e in events)
 
 
 async def test_systemd_hears_ready_and_stopping_once_through_a_drain(
@@ -90,7 +95,8 @@ def test_statistics_records_are_frozen(tmp_path: Path) -> None:
     config = tiny_config(tmp_path, "no-tq-needed")
     policy = build_policy(config.model, config.run.seed)
     state = ControllerState(4, 0, build_sampler(config), DataPlane(config.data_plane), CheckpointBarrier())
-    rollouts = Rollouts(config, state, policy, render_task(config, policy).prompts, lambda: None)
+    rollouts = Rollouts(config, state, policy, render_task(config, policy).prompts,
+                        load_rewards(config.task, tmp_path), lambda: None)
     for record in (state.statistics(), state.barrier.statistics(), rollouts.statistics()):
         with pytest.raises(dataclasses.FrozenInstanceError):
             record.__setattr__(dataclasses.fields(record)[0].name, 1)

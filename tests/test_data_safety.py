@@ -36,6 +36,7 @@ from scd.telemetry.events import Event, TrainStep
 from tests.conftest import tree_digest
 from tests.support.bundles import copy_bundles, reseal
 from tests.support.configs import CHECKPOINTING, config_for
+from tests.support.scores import ZERO_SCORES
 from tests.support.tq import clear_partition, dataplane_for
 
 GOLDEN = "safety-golden"
@@ -162,7 +163,7 @@ async def test_save_with_tq_and_index_disagreeing_finalizes_nothing_and_is_an_in
     async with Controller.open(config_for(root, partition)) as controller:
         results = await generated(controller, 2)
         for result in results:
-            await controller.rollouts.commit(result)
+            await controller.rollouts.commit(result, ZERO_SCORES)
         dp = controller.dataplane
         assert await dp.list_keys() == keys_of(results[0]) | keys_of(results[1])
         victim = results[0].request.group_id
@@ -219,7 +220,7 @@ async def test_failed_put_during_commit_clears_its_rows_keeps_the_prompt_in_flig
         monkeypatch.setattr(dp, "put_group", put_part_then_fail)
         in_flight, committed = state.in_flight, state.committed_groups
         with pytest.raises(DataPlaneError) as info:
-            await controller.rollouts.commit(result)
+            await controller.rollouts.commit(result, ZERO_SCORES)
         assert info.value is injected
         assert written_before_failure & keys_of(result)  # the cleanup had a key to clear
         assert not (await dp.list_keys()) & keys_of(result)
@@ -230,7 +231,7 @@ async def test_failed_put_during_commit_clears_its_rows_keeps_the_prompt_in_flig
 
         # The prompt is still in flight, so the same group can be committed once TQ works again.
         monkeypatch.undo()
-        await controller.rollouts.commit(result)
+        await controller.rollouts.commit(result, ZERO_SCORES)
         assert await dp.list_keys() == keys_of(result)
         assert state.ledger.state_of(gid) is PromptState.READY
 
@@ -256,7 +257,7 @@ async def test_failed_put_whose_cleanup_clear_fails_too_raises_the_put_error_wit
         monkeypatch.setattr(dp, "put_group", put_part_then_fail)
         monkeypatch.setattr(dp, "discard_failed_put", clear_fails)
         with pytest.raises(DataPlaneError) as info:
-            await controller.rollouts.commit(result)
+            await controller.rollouts.commit(result, ZERO_SCORES)
         raised = info.value
         assert raised is put_error, f"the clear error replaced the put error: {raised!r}"
         notes = getattr(raised, "__notes__", [])
@@ -290,7 +291,7 @@ async def test_tq_save_failing_or_timing_out_releases_the_barrier_removes_tmp_an
         assert checkpointer is not None
         results = await generated(controller, 2)
         for result in results:
-            await controller.rollouts.commit(result)
+            await controller.rollouts.commit(result, ZERO_SCORES)
         assert await checkpoint_now(controller) is Outcome.COMPLETED  # the older bundle, step 0
         older = tree_digest(root)
         # One real step boundary further (a group consumed), so the next checkpoint is due at step 1.
@@ -361,7 +362,7 @@ async def test_mutations_wait_for_a_live_cut_and_a_cut_waits_for_an_in_flight_pu
             admitted.append(await state.admit())
 
         async def commit() -> None:
-            await controller.rollouts.commit(first)
+            await controller.rollouts.commit(first, ZERO_SCORES)
             committed.set()
 
         with anyio.fail_after(WAIT_S):
@@ -403,7 +404,7 @@ async def test_mutations_wait_for_a_live_cut_and_a_cut_waits_for_an_in_flight_pu
 
         with anyio.fail_after(WAIT_S):
             async with anyio.create_task_group() as tg:
-                tg.start_soon(controller.rollouts.commit, second)
+                tg.start_soon(controller.rollouts.commit, second, ZERO_SCORES)
                 await put_entered.wait()
                 tg.start_soon(take_cut)
                 await anyio.sleep(0.5)
@@ -439,7 +440,7 @@ async def test_two_mutations_run_concurrently_outside_a_cut(
         with anyio.fail_after(WAIT_S):
             async with anyio.create_task_group() as tg:
                 for result in results:
-                    tg.start_soon(controller.rollouts.commit, result)
+                    tg.start_soon(controller.rollouts.commit, result, ZERO_SCORES)
                 await both_inside.wait()
                 shared_seen.append(state.barrier.statistics().shared_active)
                 let_go.set()
@@ -646,7 +647,10 @@ async def test_restored_groups_count_against_buffer_capacity(golden: dict[str, A
             except (anyio.WouldBlock, anyio.EndOfStream):
                 break
         new = [r for r in requests if r.group_id not in restored_in_flight]
-        assert {r.group_id for r in requests} - {r.group_id for r in new} == restored_in_flight
+        # A group the cut holds every sibling of (awaiting its scores or its commit) needs no generation.
+        complete = {g for g in restored_in_flight
+                    if len(controller.rollouts.finished_siblings(g)) == config.generation.group_size}
+        assert {r.group_id for r in requests} - {r.group_id for r in new} == restored_in_flight - complete
         assert len(new) == capacity - ready - in_flight
         assert state.in_flight + len(state.replay) == capacity
         assert not controller.rollouts.has_capacity()
@@ -756,13 +760,13 @@ async def test_mutations_blocked_by_a_real_checkpoint_are_counted(
         with anyio.fail_after(WAIT_S):
             async with anyio.create_task_group() as tg:
                 await tg.start(checkpointer.run_writer)
-                tg.start_soon(controller.rollouts.commit, first)  # a real commit, its put in flight
+                tg.start_soon(controller.rollouts.commit, first, ZERO_SCORES)  # a real commit, its put in flight
                 await put_entered.wait()
                 tg.start_soon(checkpoint)  # a real checkpoint: it waits for that put
                 while not state.barrier.statistics().exclusive_waiting:
                     await anyio.sleep(0.01)
                 async with anyio.create_task_group() as behind:
-                    behind.start_soon(controller.rollouts.commit, second)  # queued behind the checkpoint
+                    behind.start_soon(controller.rollouts.commit, second, ZERO_SCORES)  # queued behind the checkpoint
                     behind.start_soon(state.admit)
                     await anyio.sleep(0.2)
                     let_put_go.set()

@@ -23,6 +23,7 @@ from scd.model.policy import SPECIAL_TOKENS, TinyPolicy
 from scd.records import Completion, FinishReason
 from scd.schema import Outcome, Sidecar, Trigger, decode
 from tests.conftest import tiny_config
+from tests.support.scores import ZERO_SCORES
 
 ROW_TOKENS = 600
 
@@ -48,7 +49,7 @@ async def test_commits_go_on_during_the_tq_save_and_the_bundle_restores_to_exact
     async with Controller.open(config) as controller:
         # ~1,000 groups of 8 rows of ~7 KB: a TQ save long enough to commit through.
         for seed in range(1_000):
-            await controller.rollouts.commit(long_group(await controller.rollouts.admit(), seed))
+            await controller.rollouts.commit(long_group(await controller.rollouts.admit(), seed), ZERO_SCORES)
         checkpointer = controller.checkpointer
         assert checkpointer is not None
         stop = anyio.Event()
@@ -57,7 +58,7 @@ async def test_commits_go_on_during_the_tq_save_and_the_bundle_restores_to_exact
             seed = 10_000
             while not stop.is_set():
                 request = await controller.rollouts.admit()
-                await controller.rollouts.commit(long_group(request, seed))
+                await controller.rollouts.commit(long_group(request, seed), ZERO_SCORES)
                 committed.append((time.monotonic(), request.group_id))
                 seed += 1
 

@@ -17,6 +17,7 @@ from scd.daemon import Controller
 from scd.ledger import staged_key
 from scd.schema import Outcome
 from tests.support.configs import config_for
+from tests.support.scores import ZERO_SCORES
 from tests.support.tq import clear_partition
 from tests.test_data_safety import WAIT_S, checkpoint_now, generated, metric
 
@@ -36,7 +37,7 @@ async def test_a_deferred_clear_that_fails_after_a_good_save_keeps_the_bundle_an
         # and the checkpoint's save window closes with it still owed.
         await state.stage_siblings([(group_id, 0, first)])
         staged = staged_key(group_id, 0, first.weight_version)
-        await controller.rollouts.commit(result)
+        await controller.rollouts.commit(result, ZERO_SCORES)
         assert await dp.list_keys() == {group_id, staged}
         assert metric("scd_owed_clears") == 1
         failures = metric("scd_owed_clear_failures_total")

@@ -25,9 +25,8 @@ from aiohttp import web
 from prometheus_client import REGISTRY
 
 from scd.config import TaskConfig, parse_config
-from scd.daemon import Controller
 from scd.errors import EXIT_OTHER, ConfigError, RewardError
-from scd.rewards import RewardInput, Scored, load_rewards, match_score
+from scd.rewards import RewardInput, RewardUnavailable, Scored, load_rewards, match_score
 from tests.conftest import REPO, SCD, free_port
 
 
@@ -157,7 +156,6 @@ def test_scd_run_names_a_reward_that_does_not_resolve_and_exits_2_before_ray_sta
     started = time.monotonic()
     out = subprocess.run([*SCD, "run", str(config)], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert out.returncode == 2, out.stderr
-    # Named before the controller refuses configured rewards (key task.rewards) as not scored yet.
     assert "config key 'task.rewards[1].function'" in out.stderr and said in out.stderr, out.stderr
     assert "Traceback" not in out.stderr
     assert "ray" not in out.stderr.lower() and time.monotonic() - started < 30
@@ -678,21 +676,28 @@ async def test_http_survives_a_server_restart_within_the_retry_budget() -> None:
     assert stats.http_retries >= 1 and stats.errors == 0
 
 
-async def test_http_to_a_dead_server_exhausts_its_retries() -> None:
+@pytest.mark.parametrize("reward_errors", ["stop", "zero"])
+async def test_a_dead_server_is_unavailable_not_a_reward_error_whatever_reward_errors_says(reward_errors: str) -> None:
     url = f"http://127.0.0.1:{free_port()}/score"
-    with pytest.raises(RewardError) as caught:
-        await scored(http_config(url, retries=2), [item("a", prompt_id=3)])
-    assert caught.value.cause == "http" and caught.value.prompt_id == 3
-    assert url in str(caught.value) and "2 retries spent" in str(caught.value)
-    async with contextlib.aclosing(load_rewards(http_config(url, "zero", retries=2), Path.cwd())) as scorer:
-        results = await scorer.score([item("a"), item("b")])
+    async with contextlib.aclosing(load_rewards(http_config(url, reward_errors, retries=2), Path.cwd())) as scorer:
+        with pytest.raises(RewardUnavailable) as caught:
+            await scorer.score([item("a", prompt_id=3), item("b")])
         stats = scorer.statistics()
-    assert [r.components for r in results] == [{"remote": 0.0}] * 2
-    assert (stats.calls, stats.http_retries, stats.errors_zeroed) == (3, 2, 2)
+    assert caught.value.reward == "remote"
+    assert url in str(caught.value) and "2 retries spent" in str(caught.value)
+    assert (stats.calls, stats.http_retries, stats.errors, stats.errors_zeroed) == (3, 2, 0, 0)
+
+
+async def test_a_server_too_slow_for_its_timeout_is_unavailable_after_its_retries() -> None:
+    async with serving(RewardServer(mode="slow")) as server:
+        with pytest.raises(RewardUnavailable) as caught:
+            await scored(http_config(server.url, retries=1, timeout_s=0.2), [item("a"), item("b")])
+    assert "did not answer within 0.2 s" in str(caught.value)
+    assert server.requests == 2
 
 
 @pytest.mark.parametrize(("mode", "cause", "requests"), [
-    ("400", "http", 1), ("short", "malformed", 1), ("slow", "timeout", 2),
+    ("400", "http", 1), ("short", "malformed", 1),
 ])
 async def test_http_fails_at_once_on_a_refusal_or_a_malformed_answer_and_retries_a_timeout(
         mode: str, cause: str, requests: int) -> None:
@@ -701,12 +706,3 @@ async def test_http_fails_at_once_on_a_refusal_or_a_malformed_answer_and_retries
             await scored(http_config(server.url, retries=1, timeout_s=0.2), [item("a"), item("b")])
     assert caught.value.cause == cause and server.url in str(caught.value)
     assert server.requests == requests
-
-
-async def test_the_controller_refuses_configured_rewards_until_the_scoring_stage_calls_them(tmp_path: Path) -> None:
-    config = parse_config({"run": {"output_dir": str(tmp_path)}, "task": {"rewards": [{"function": "exact"}]}},
-                          tmp_path)
-    with pytest.raises(ConfigError) as refused:
-        async with Controller.open(config):
-            pass
-    assert refused.value.key == "task.rewards"

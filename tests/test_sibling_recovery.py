@@ -63,6 +63,7 @@ async def crash_mid_generation_and_resume(config: Any, backend: GenerationBacken
         if max_tokens is not None:
             requests = [replace(r, max_tokens=max_tokens) for r in requests]
         async with anyio.create_task_group() as tg:
+            await tg.start(controller.rollouts.scorer)
             await tg.start(controller.rollouts.committer)
             generating = anyio.CancelScope()
 
@@ -105,6 +106,7 @@ async def crash_mid_generation_and_resume(config: Any, backend: GenerationBacken
         # Generation finishes only the missing siblings; the committed group holds the staged ones.
         redone = [controller.rollouts.request(gid) for gid in staged]
         async with anyio.create_task_group() as tg:
+            await tg.start(controller.rollouts.scorer)
             await tg.start(controller.rollouts.committer)
             for result in await controller.backend.generate(redone, lambda *reported: None):
                 assert len(result.completions) == len(result.request.siblings)
@@ -215,6 +217,7 @@ async def test_staged_siblings_outside_the_window_are_generated_again(partition:
     async with Controller.open(config) as controller:
         live_request, restored_request = await controller.rollouts.admit(), await controller.rollouts.admit()
         async with anyio.create_task_group() as tg:
+            await tg.start(controller.rollouts.scorer)
             await tg.start(controller.rollouts.committer)
             for request, indices in ((live_request, (0, 1, 2)), (restored_request, (3, 5))):
                 for index in indices:
@@ -264,6 +267,7 @@ async def test_staged_siblings_are_counted_while_staged_and_not_once_their_group
                 await anyio.sleep(0.005)
 
         async with anyio.create_task_group() as tg:
+            await tg.start(rollouts.scorer)
             await tg.start(rollouts.committer)
             tg.start_soon(observe)
             for result in await controller.backend.generate(requests, rollouts.on_sibling):

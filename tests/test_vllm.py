@@ -39,6 +39,7 @@ from scd.model.policy import HFPolicy, state_copy
 from scd.records import COMPLETE, Completion
 from tests.conftest import REPO, ScdProcess, vllm_cpu_config
 from tests.support.engines import engines_paused, running_requests, worker_parameters
+from tests.support.scores import ZERO_SCORES
 from tests.test_prefix_resume import crash_after_a_checkpoint_with_prefixes
 from tests.test_process import metric, scrape
 from tests.test_sibling_recovery import crash_mid_generation_and_resume
@@ -167,7 +168,7 @@ async def test_an_aborted_group_is_never_committed_and_goes_back_to_dispatch(
         [result] = results
         assert "stale" in result.incomplete_reason()
         with pytest.raises(InvariantViolation, match="incomplete"):
-            await controller.rollouts.commit(result)
+            await controller.rollouts.commit(result, ZERO_SCORES)
         again = await controller.rollouts.redispatch_aborted(result)
         assert again.group_id == req.group_id and again.siblings == req.siblings
         assert controller.rollouts.finished_siblings(req.group_id) == {}  # nothing finished, nothing to unstage

@@ -93,6 +93,8 @@ class RestoreReport:
     prefix_tokens_reused: int = 0
     prefix_tokens_dropped: int = 0
     siblings_resumed: int = 0
+    scores_reused: int = 0  # finished siblings kept with their score: never scored again
+    scores_owed: int = 0  # finished siblings kept without one: scored by this run, not generated again
     phases: dict[str, float] = field(default_factory=dict)
 
 
@@ -307,7 +309,7 @@ async def restore_state(config: Config, parts: RestoreParts, restore_from: Path 
         siblings_rerun=siblings.siblings_rerun + (len(staged_in_bundle) if shadow else 0),
         stale_tokens=stale_tokens, prefix_tokens_reused=siblings.prefix_tokens_reused,
         prefix_tokens_dropped=siblings.prefix_tokens_dropped, siblings_resumed=siblings.siblings_resumed,
-        phases=clock.stop(),
+        scores_reused=siblings.scores_reused, scores_owed=siblings.scores_owed, phases=clock.stop(),
     )
     await record_restore(report, parts.events)
     return report
@@ -339,10 +341,11 @@ async def record_restore(report: RestoreReport, events: EventLog) -> None:
     metrics.recovery_stale_tokens.set(report.stale_tokens)
     log.info("restored %s: step %d, %d groups ready, %d evicted stale, %d prompts to redispatch, "
              "%d finished siblings reused, %d to generate again, %d stale tokens thrown away, %d siblings resumed "
-             "(%d prefix tokens reused, %d dropped)%s (%.2fs)",
+             "(%d prefix tokens reused, %d dropped), %d scores kept, %d owed%s (%.2fs)",
              report.bundle, report.step, report.groups_restored, report.groups_evicted_stale,
              report.prompts_redispatched, report.siblings_reused, report.siblings_rerun, report.stale_tokens,
              report.siblings_resumed, report.prefix_tokens_reused, report.prefix_tokens_dropped,
+             report.scores_reused, report.scores_owed,
              " [shadow: replay index not restored]" if report.shadow else "", report.phases[RestorePhase.TOTAL])
     await events.emit(Restore(
         step=report.step, bundle=str(report.bundle), phases=report.phases,
@@ -351,7 +354,7 @@ async def record_restore(report: RestoreReport, events: EventLog) -> None:
         uncut_groups_cleared=report.uncut_groups_cleared, siblings_reused=report.siblings_reused,
         siblings_rerun=report.siblings_rerun, stale_tokens=report.stale_tokens,
         prefix_tokens_reused=report.prefix_tokens_reused, prefix_tokens_dropped=report.prefix_tokens_dropped,
-        siblings_resumed=report.siblings_resumed,
+        siblings_resumed=report.siblings_resumed, scores_reused=report.scores_reused, scores_owed=report.scores_owed,
     ))
 
 

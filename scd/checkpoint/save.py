@@ -37,6 +37,7 @@ from scd.schema import (
     Outcome,
     PrefixRecord,
     SamplerDocument,
+    SiblingScoreRecord,
     Sidecar,
     TrainingInfo,
     Trigger,
@@ -170,6 +171,10 @@ def write_bundle(pending: PendingBundle, keep_last: int, context: BundleContext)
         finished_siblings=[
             FinishedSiblingRecord(group_id, index, c.token_ids, c.logprobs, c.weight_version, c.finish_reason.value)
             for group_id, finished in pending.rollouts.finished.items() for index, c in finished.items()],
+        sibling_scores=[
+            SiblingScoreRecord(group_id, index, pending.rollouts.weight_version_of(cut.ledger, group_id, index),
+                               scored.total, scored.components)
+            for group_id, scores in pending.rollouts.scores.items() for index, scored in scores.items()],
         sampler=SamplerDocument(name=cut.sampler_name, state=cut.sampler_state,
                                 supports_replay_checkpoint=cut.supports_replay_checkpoint),
     ))

@@ -13,6 +13,7 @@ its own: a group can only ever name its own rows.
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -26,6 +27,7 @@ from scd.errors import InvariantViolation
 from scd.ledger import PromptLedger, PromptState, group_id_for
 from scd.records import COMPLETE, Completion, FinishReason, Prefix
 from scd.replay import GroupMeta, ReplayIndex, sample_ids_for
+from scd.rewards import Scored
 from scd.rollouts import RolloutsCut
 from scd.samplers import DispatchView, SamplerStateError
 from scd.schema import DataloaderDocument, SchemaError, Sidecar, TrainingInfo, decode
@@ -170,7 +172,8 @@ def checked_rollouts_cut(bundle: Path, sidecar: Sidecar, ledger: PromptLedger, w
 
     Each belongs to a sibling of a group in flight at the cut, not staged there, listed once; its tokens
     and logprobs are as many, and no version is above the cut's (taken at the cut, before the next step).
-    A prefix's version runs start at its first token and ascend; a finished sibling ends in length or stop.
+    A prefix's version runs start at its first token and ascend; a finished sibling ends in eos, stop or
+    length.  A score is for a finished sibling of the cut, staged or listed, of the very version; once each.
     """
     prefixes: dict[str, dict[int, Prefix]] = {}
     finished: dict[str, dict[int, Completion]] = {}
@@ -210,7 +213,21 @@ def checked_rollouts_cut(bundle: Path, sidecar: Sidecar, ledger: PromptLedger, w
             refuse(f"ends {f.finish_reason!r}")
         finished.setdefault(f.group_id, {})[f.index] = Completion(
             f.token_ids, f.logprobs, FinishReason(f.finish_reason), f.weight_version)
-    return RolloutsCut(finished, prefixes)
+    scores: dict[str, dict[int, Scored]] = {}
+    for s in sidecar.sibling_scores:
+        where = f"the score of sibling {s.index} of group {s.group_id}"
+        if ledger.state_of(s.group_id) is not PromptState.IN_FLIGHT:
+            raise BundleError(bundle, f"{where} is for a group the cut's ledger does not hold in flight")
+        versions = dict(ledger.entry(s.group_id).staged)
+        if s.group_id in finished and s.index in finished[s.group_id]:
+            versions[s.index] = finished[s.group_id][s.index].weight_version
+        if versions.get(s.index) != s.weight_version or s.index in scores.get(s.group_id, {}):
+            raise BundleError(bundle, f"{where} (version {s.weight_version}) is for no finished sibling of the "
+                                      "cut, or was listed before")
+        if not all(map(math.isfinite, (s.total, *s.components.values()))):
+            raise BundleError(bundle, f"{where} is not finite")
+        scores.setdefault(s.group_id, {})[s.index] = Scored(s.total, dict(s.components))
+    return RolloutsCut(finished, prefixes, scores)
 
 
 def check_against_config(config: Config, state: ControllerState, verified: VerifiedBundle,

@@ -19,6 +19,11 @@ from when the call starts, not while it waits its turn.  A call that raises, mis
 returns anything but a finite number (or a dict of them with a ``"score"``) fails: the run stops with a
 ``RewardError`` (``task.reward_errors = "stop"``), or the function scores 0 on that completion and the
 failure is counted (``"zero"``).
+
+An HTTP reward whose service cannot be reached, answers 429 or 5xx, or does not answer in time, after its
+retries, is no failure of the completion: ``score`` raises ``RewardUnavailable`` whatever
+``task.reward_errors`` says, and the caller (``scd.scoring``) waits for the service and asks again.  Scoring
+an outage 0 would train the policy on noise for as long as it lasts.
 """
 
 from __future__ import annotations
@@ -55,7 +60,8 @@ from scd.rewards.functions import (
 from scd.rewards.pool import PoolCall, PoolStatistics, WorkerPool
 from scd.telemetry import metrics
 
-__all__ = ["RewardInput", "Scored", "Scorer", "ScorerStatistics", "load_rewards", "match_score", "resolve_rewards"]
+__all__ = ["RewardInput", "RewardUnavailable", "Scored", "Scorer", "ScorerStatistics", "load_rewards", "match_score",
+           "resolve_rewards"]
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +87,16 @@ class Scored:
     # Each function's unweighted value by reward name; a dict-returning function's parts as "name/part".
     # A function that failed under reward_errors = "zero" reads 0 under its name.
     components: dict[str, float]
+
+
+class RewardUnavailable(Exception):
+    """An HTTP reward's service did not answer a batch, retries spent: the batch is not scored, and no
+    completion of it is at fault.  ``reward`` names the reward, ``detail`` says what the last attempt met."""
+
+    def __init__(self, reward: str, detail: str) -> None:
+        super().__init__(f"reward {reward!r} is unavailable: {detail}")
+        self.reward = reward
+        self.detail = detail
 
 
 @dataclass(frozen=True, slots=True)
@@ -249,13 +265,13 @@ class _HttpReward:
                             retry_after_s = _retry_after_s(response.headers.get("Retry-After"))
             except TimeoutError:
                 context.counts.timeouts += 1
-                failure = Failure("timeout", f"{url} did not answer within {self._timeout_s} s")
+                failure = Failure("unavailable", f"{url} did not answer within {self._timeout_s} s")
                 continue
             except aiohttp.ClientError as exc:  # refused, reset, or the server went away mid-answer
-                failure = Failure("http", f"{url}: {type(exc).__name__}: {exc}")
+                failure = Failure("unavailable", f"{url}: {type(exc).__name__}: {exc}")
                 continue
             if status == _TOO_MANY_REQUESTS or status >= 500:  # busy or broken for now: it may answer later
-                failure = Failure("http", f"{url} answered HTTP {status}")
+                failure = Failure("unavailable", f"{url} answered HTTP {status}")
                 continue
             if not 200 <= status < 300:  # the server refuses this request: it would refuse it again
                 return Failure("http", f"{url} answered HTTP {status}: {content[:200]!r}")
@@ -318,11 +334,14 @@ class Scorer:
 
     async def score(self, inputs: Sequence[RewardInput]) -> list[Scored]:
         """Every completion's reward, in the order given.  Raises ``RewardError`` for a failed call unless
-        ``task.reward_errors = "zero"``."""
+        ``task.reward_errors = "zero"``, and ``RewardUnavailable`` when an HTTP reward's service did not answer."""
         items = list(inputs)
         outcomes = await _gather([partial(reward.evaluate, items, self._context) for reward in self._rewards])
         failures = [(reward, item, outcome) for reward, by_item in zip(self._rewards, outcomes, strict=True)
                     for item, outcome in zip(items, by_item, strict=True) if isinstance(outcome, Failure)]
+        for reward, _, failure in failures:
+            if failure.cause == "unavailable":
+                raise RewardUnavailable(reward.name, failure.detail)
         self._counts.errors += len(failures)
         for reward, item, failure in failures:
             metrics.reward_errors.labels(name=reward.name, cause=failure.cause).inc()

@@ -31,7 +31,8 @@ from scd.tasks import PromptField
 # A number, or a dict whose "score" is the reward and whose other keys are parts reported beside it.
 RewardValue = float | dict[str, float]
 RewardFunction = Callable[[PromptField, str, Any, dict[str, Any]], object]
-Cause = Literal["exception", "not_finite", "not_a_number", "timeout", "crashed", "http", "malformed"]
+# "unavailable": an HTTP reward's service did not answer (after its retries): not the completion's fault.
+Cause = Literal["exception", "not_finite", "not_a_number", "timeout", "crashed", "http", "malformed", "unavailable"]
 HTTP_REWARD = "http"
 SCORE = "score"
 

@@ -34,6 +34,8 @@ from scd.rewards.functions import Failure, Outcome
 # A worker imports scd, the reward modules and what they import (math-verify brings sympy): seconds on a busy box.
 WORKER_START_TIMEOUT_S = 120.0
 _MAX_LINE_BYTES = 64 << 20
+# How long a worker that closed its pipes may take to exit before it is killed.
+_EXIT_GRACE_S = 5.0
 # The worker imports this very scd, wherever the parent's came from.
 _SCD_ROOT = str(Path(scd.__file__).resolve().parents[1])
 
@@ -73,6 +75,16 @@ class _Worker:
             with contextlib.suppress(ProcessLookupError):  # it exited on its own
                 self.process.kill()
             await self.process.aclose()
+
+    async def reap(self) -> None:
+        """Collect a worker that closed its pipes, killed if it does not exit within ``_EXIT_GRACE_S``.
+
+        Not ``kill`` at once: killing an exited worker reaps it (``Popen.send_signal`` polls first) before
+        asyncio's child watcher can, and the exit code is lost (asyncio reports 255)."""
+        with anyio.CancelScope(shield=True):
+            with anyio.move_on_after(_EXIT_GRACE_S):
+                await self.process.wait()
+            await self.kill()
 
 
 class _WorkerGone(Exception):
@@ -158,7 +170,8 @@ class WorkerPool:
         return worker
 
     async def _lost(self, worker: _Worker, when: str) -> Failure:
-        await self._discard(worker, killed=False)
+        self._workers -= 1
+        await worker.reap()
         return Failure("crashed", f"its worker process {when} (exit code {worker.process.returncode})")
 
     async def _discard(self, worker: _Worker, *, killed: bool) -> None:

@@ -47,6 +47,8 @@ class Restore(Event, tag="restore", kw_only=True):
     prefix_tokens_reused: int
     prefix_tokens_dropped: int
     siblings_resumed: int
+    scores_reused: int = 0  # finished siblings restored with their score: never scored again
+    scores_owed: int = 0  # finished siblings restored without one: scored, not generated again
 
 
 class Checkpoint(Event, tag="checkpoint", kw_only=True):
@@ -101,6 +103,8 @@ class TrainStep(Event, tag="train_step", kw_only=True):
     # Of the complete completions generated since the last step (None: there were none).
     truncation_rate: float | None  # the share that ended at generation.max_new_tokens
     completion_tokens_mean: float | None
+    # Each reward's (and reward part's) unweighted mean over the step's completions, by name.
+    reward_components: dict[str, float] = msgspec.field(default_factory=dict)
 
 
 class Sample(Event, tag="sample", kw_only=True):

@@ -115,6 +115,10 @@ reward = Histogram(
     "scd_reward", "Each reward function's unweighted value per completion (a dict-returning one's parts as name/part)",
     ["name"], buckets=(-1.0, 0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0, 2.0, 5.0),
 )
+siblings_scored = Counter("scd_siblings_scored", "Finished siblings scored by the configured rewards (once each)")
+reward_unavailable = Gauge(
+    "scd_reward_unavailable", "1 while a reward's service does not answer (scoring waits; nothing is regenerated)"
+)
 reward_errors = Counter(
     "scd_reward_errors",
     "Reward calls that failed, by reward and cause (exception, not_finite, not_a_number, timeout, crashed, http, "

@@ -172,12 +172,13 @@ class GRPOTrainer:
         # whole step's tokens adds up to the world-size-1 loss.
         policy_loss = (surrogate * mask).sum() / step_tokens
         loss = policy_loss
-        entropy_sum = torch.zeros(())
-        if self.cfg.entropy_coef:
+        # Measured on every step (a logged 0 would read as a collapsed policy); in the graph only with a bonus.
+        with torch.set_grad_enabled(bool(self.cfg.entropy_coef)):
             kept = logp[:, :-1]
             # Truncated tokens have probability 0 and add nothing (0 x -inf would be NaN).
             token_entropy = -(kept.exp() * kept.masked_fill(kept.isinf(), 0.0)).sum(-1)
             entropy_sum = (token_entropy * mask).sum()
+        if self.cfg.entropy_coef:
             loss = loss - self.cfg.entropy_coef * entropy_sum / step_tokens
 
         self.optimizer.zero_grad(set_to_none=True)

@@ -1,0 +1,255 @@
+"""The scoring stage through the real controller and a real `scd run`: the rewards a user configures score
+every sibling once, a bad reward stops the run with nothing lost, and a reward service's outage loses and
+regenerates nothing, across a SIGKILL too."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+
+from scd.checkpoint import layout
+from scd.config import parse_config
+from scd.daemon import Controller
+from scd.model.policy import build_policy
+from scd.schema import Sidecar, decode
+from tests.conftest import REPO, ScdProcess, free_port, tiny_config, write_config
+
+# More prompts than the runs here admit: a row is one prompt of epoch 0, its group id e0-p<id>.
+ROWS = 256
+
+
+def reversal_rows() -> list[dict[str, Any]]:
+    """Prompts of four digits to reverse, each with an id and a level the rewards get as the row's columns."""
+    rows = []
+    for k in range(ROWS):
+        digits = f"{(k * 7919) % 10_000:04d}"
+        rows.append({"prompt": digits, "answer": digits[::-1], "id": k, "level": k % 3})
+    return rows
+
+
+def write_dataset(directory: Path) -> Path:
+    path = directory / "train.jsonl"
+    path.write_bytes(b"".join(orjson.dumps(row) + b"\n" for row in reversal_rows()))
+    return path
+
+
+RECORDING = """
+import json
+import os
+from pathlib import Path
+
+def reward(prompt, completion, answer, row):
+    with (Path(__file__).parent / "seen.jsonl").open("a") as out:
+        out.write(json.dumps({"prompt": prompt, "answer": answer, "row": row, "pid": os.getpid()}) + "\\n")
+    right = sum(a == b for a, b in zip(completion, answer))
+    return {"score": right / len(answer), "length": float(len(completion))}
+"""
+
+
+async def test_a_custom_reward_gets_each_rows_columns_and_its_parts_reach_the_step_event(
+        tmp_path: Path, partition: str) -> None:
+    (tmp_path / "recording_reward.py").write_text(RECORDING)
+    config = tiny_config(tmp_path, partition, task={
+        "name": "jsonl", "path": str(write_dataset(tmp_path)),
+        "rewards": [{"function": "recording_reward:reward", "name": "digits"}, {"function": "exact", "weight": 0.5}]})
+    async with Controller.open(config, config_dir=tmp_path) as controller:
+        await controller.run(max_steps=2)
+        scored = controller.rollouts.scoring.statistics().scored
+    by_prompt = {row["prompt"]: row for row in reversal_rows()}
+    seen = [orjson.loads(line) for line in (tmp_path / "seen.jsonl").read_text().splitlines()]
+    assert len(seen) == scored >= 2 * config.trainer.groups_per_step * config.generation.group_size
+    for call in seen:
+        row = by_prompt[call["prompt"]]
+        assert call["answer"] == row["answer"] and call["row"] == {"id": row["id"], "level": row["level"]}
+    assert os.getpid() not in {call["pid"] for call in seen}  # a sync reward runs in a worker process
+    steps = [orjson.loads(line) for line in Path(config.telemetry.events_path).read_text().splitlines()
+             if b'"train_step"' in line.encode()]
+    assert len(steps) == 2
+    for step in steps:
+        assert set(step["reward_components"]) == {"digits", "digits/length", "exact"}
+        assert 0 < step["reward_components"]["digits/length"] <= config.generation.max_new_tokens
+        parts = step["reward_components"]
+        assert step["reward_mean"] == pytest.approx(parts["digits"] + 0.5 * parts["exact"], abs=1e-6)
+
+
+FLAGGED = """
+from pathlib import Path
+
+def reward(prompt, completion, answer, row):
+    if (Path(__file__).parent / "fail-now").exists():
+        raise ValueError("no verdict for " + prompt)
+    return float(completion == answer)
+"""
+
+
+def test_a_failing_reward_stops_the_run_with_exit_1_naming_it_and_the_last_bundle_restores(
+        tmp_path: Path, scd_processes: list[ScdProcess], session_ray: str) -> None:
+    (tmp_path / "flagged_reward.py").write_text(FLAGGED)
+    config = write_config(tmp_path, ray_address=session_ray, max_steps=100_000, extra=(
+        '\n[[task.rewards]]\nfunction = "flagged_reward:reward"\nname = "flagged"\n'
+        "\n[checkpointing]\nenabled = true\ninterval_s = 1\nkeep_last = 3\n"))
+    root = tmp_path / "out" / "checkpoints"
+    first = ScdProcess(config)
+    scd_processes.append(first)
+    first.wait_for_line("checkpoint step_")
+    first.wait_for_line("step 3 ")
+    (tmp_path / "fail-now").touch()
+    assert first.wait(timeout=120) == 1
+    said = first.output()
+    assert "scd: error: reward 'flagged' (function 'flagged_reward:reward') failed on prompt " in said, said[-3000:]
+    assert "raised ValueError: no verdict for " in said
+    bundles = layout.finalized_bundles(root)
+    assert bundles and not layout.leftover_tmp_dirs(root)
+    newest = layout.step_of(bundles[-1])
+    verified = subprocess.run([sys.executable, "-m", "scd.cli", "checkpoint", "verify", str(bundles[-1])], cwd=REPO,
+                              capture_output=True, text=True, timeout=120)
+    assert verified.returncode == 0, verified.stdout + verified.stderr
+
+    (tmp_path / "fail-now").unlink()
+    second = ScdProcess(config, "--max-steps", str(newest + 2))
+    scd_processes.append(second)
+    assert second.wait(timeout=300) == 0, second.output()[-3000:]
+    assert f"restored {bundles[-1]}: step {newest}," in second.output()
+    assert f"step {newest + 2} version {newest + 2} " in second.output()
+
+
+# ---- an outage of the reward service, then a SIGKILL ------------------------------------------
+
+OUTAGE_S = 30.0
+
+
+class RewardService:
+    """tests.support.reward_server as its own process on a fixed loopback port: down and up again at will."""
+
+    def __init__(self, port: int, log: Path) -> None:
+        self.port, self.log = port, log
+        self.process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/score"
+
+    def start(self) -> None:
+        self.process = subprocess.Popen([sys.executable, "-m", "tests.support.reward_server", str(self.port),
+                                         str(self.log)], cwd=REPO, stdout=subprocess.PIPE)
+        assert self.process.stdout is not None and self.process.stdout.readline() == b"serving\n"
+
+    def stop(self) -> None:
+        if self.process is not None:
+            self.process.kill()
+            self.process.wait(timeout=30)
+            self.process = None
+
+    def items(self) -> list[dict[str, Any]]:
+        return [orjson.loads(line) for line in self.log.read_bytes().splitlines()] if self.log.exists() else []
+
+
+@pytest.fixture
+def reward_service(tmp_path: Path) -> Any:
+    service = RewardService(free_port(), tmp_path / "scored-before.jsonl")
+    yield service
+    service.stop()
+
+
+def fetch(port: int, path: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as answer:
+            return answer.status, answer.read().decode()
+    except urllib.error.HTTPError as refused:
+        return refused.code, refused.read().decode()
+
+
+def metric(port: int, name: str) -> float:
+    _, text = fetch(port, "/metrics")
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + " ")
+               or line.startswith(name + "{"))
+
+
+def wait_until(check: Any, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, f"not within {timeout}s: {what}"
+        time.sleep(0.2)
+
+
+def test_a_reward_outage_then_a_sigkill_loses_no_prompt_and_rescores_or_regenerates_nothing(
+        tmp_path: Path, scd_processes: list[ScdProcess], session_ray: str, reward_service: RewardService) -> None:
+    port = free_port()
+    dataset = write_dataset(tmp_path)
+    config = write_config(tmp_path, ray_address=session_ray, max_steps=100_000, port=port, extra=(
+        f'\n[[task.rewards]]\nfunction = "http"\nname = "remote"\n'
+        f'args = {{ url = "{reward_service.url}", retries = 1, backoff_s = 0.1, timeout_s = 5.0 }}\n'
+        "\n[checkpointing]\nenabled = true\ninterval_s = 3600\nkeep_last = 5\n"))
+    config.write_text(config.read_text().replace('name = "reverse"\nsize = 64\n',
+                                                 f'name = "jsonl"\npath = "{dataset}"\n'))
+    root = tmp_path / "out" / "checkpoints"
+    reward_service.start()
+    first = ScdProcess(config)
+    scd_processes.append(first)
+    first.wait_for_line("step 3 ")
+
+    reward_service.stop()
+    down_at = time.monotonic()
+    wait_until(lambda: fetch(port, "/healthz")[0] == 503 and "scoring has waited" in fetch(port, "/healthz")[1],
+               OUTAGE_S - 10, "/healthz names the reward outage")
+    assert metric(port, "scd_reward_unavailable") == 1
+    # Generation goes on to the window's end, its siblings waiting for their scores; then a checkpoint.
+    time.sleep(5)
+    first.signal(signal.SIGUSR1)
+    first.wait_for_line("(signal)")
+    [bundle] = layout.finalized_bundles(root)
+    time.sleep(max(0.0, OUTAGE_S - (time.monotonic() - down_at)))
+    assert first.proc.poll() is None, "the run exited over a reward outage"
+    first.kill_group()  # SIGKILL while siblings wait for their scores
+
+    sidecar = decode(bundle / layout.SIDECAR_FILE, Sidecar)
+    in_flight = {e.group_id: e for e in sidecar.ledger.entries if e.state == "in_flight"}
+    finished: dict[str, dict[int, list[int]]] = {}
+    for f in sidecar.finished_siblings:
+        finished.setdefault(f.group_id, {})[f.index] = f.token_ids
+    staged = {group_id: {index for index, _ in entry.staged} for group_id, entry in in_flight.items()}
+    scores = Counter(s.group_id for s in sidecar.sibling_scores)
+    complete = [g for g in in_flight if len(staged[g]) + len(finished.get(g, {})) == 8]
+    owed = {g: 8 - scores[g] for g in complete}
+    assert sum(owed.values()) > 0, "the checkpoint holds no complete group waiting for its scores"
+
+    reward_service.log = tmp_path / "scored-after.jsonl"
+    reward_service.start()
+    second = ScdProcess(config)
+    scd_processes.append(second)
+    step = layout.step_of(bundle)
+    assert step is not None
+    second.wait_for_line(f"step {step + 4} ")
+    second.signal(signal.SIGTERM)
+    assert second.wait(timeout=120) == 0, second.output()[-3000:]
+
+    events = [orjson.loads(line) for line in (tmp_path / "out" / "events.jsonl").read_bytes().splitlines()]
+    restore = [e for e in events if e["event"] == "restore"][-1]
+    assert restore["siblings_rerun"] == 0
+    assert restore["scores_reused"] == len(sidecar.sibling_scores)
+    assert restore["scores_owed"] == sum(len(staged[g]) + len(finished.get(g, {})) for g in in_flight) - \
+        len(sidecar.sibling_scores)
+    # Each sibling of a complete group was scored once more if the bundle held no score for it, else never,
+    # and none was generated again: the texts scored are the bundle's own.
+    scored_after = Counter(item["row"]["id"] for item in reward_service.items())
+    texts_after = Counter((item["row"]["id"], item["completion"]) for item in reward_service.items())
+    policy = build_policy(parse_config({}, tmp_path).model, 0)
+    for group_id, count in owed.items():
+        row_id = int(group_id.removeprefix("e0-p"))
+        assert scored_after[row_id] == count, group_id
+        for tokens in finished.get(group_id, {}).values():
+            assert texts_after[(row_id, policy.decode(tokens))] >= 1, group_id
+    # Every prompt in flight at the cut reached a terminal or in-flight state again in the last bundle.
+    final = decode(layout.finalized_bundles(root)[-1] / layout.SIDECAR_FILE, Sidecar)
+    states = {e.group_id: e.state for e in final.ledger.entries}
+    assert all(states.get(g) in ("ready", "consumed", "in_flight") for g in in_flight)
