@@ -165,8 +165,21 @@ THROUGHPUT = Section(
             f"{num(s['reward_loop_stall_max_ms'])}; {num(s['reward_completions_scored_per_s'])} completions "
             f"scored/s by {s['reward_workers']:.0f} worker(s), {num(s['reward_steps_per_s'])} steps/s)",
             "reward_loop_stall_p99_ms"),
-        Row("`commit_path_groups_per_s`", "groups/s through the real commit path into TQ; each sibling is "
-            "decoded, scored and its group encoded on the event loop",
+        Row("`reward_http_groups_per_s`", "groups of 8 the scoring stage scores per second through an `http` "
+            "reward on loopback that answers each request after 1 ms, 16 requests in flight, 32 completions a "
+            "request. `python -m bench.run reward_stage`",
+            lambda s: f"{num(s['reward_http_groups_per_s'])} ({num(s['reward_http_siblings_per_s'])} siblings/s)",
+            "reward_http_groups_per_s"),
+        Row("`reward_stage_loop_stall_p99_ms`", "loop probe p99 while configs/tiny.toml trains with a CPU-heavy "
+            "custom reward (~20 ms of Python a completion, in the reward worker processes) as its only reward, "
+            "every completion scored by the scoring stage. `python -m bench.run reward_stage`",
+            lambda s: f"{num(s['reward_stage_loop_stall_p99_ms'])} (p50 {num(s['reward_stage_loop_stall_p50_ms'])}, "
+            f"max {num(s['reward_stage_loop_stall_max_ms'])}; "
+            f"{num(s['reward_stage_completions_scored_per_s'])} completions scored/s, "
+            f"{num(s['reward_stage_steps_per_s'])} steps/s: the reward is the bottleneck)",
+            "reward_stage_loop_stall_p99_ms"),
+        Row("`commit_path_groups_per_s`", "groups/s through the real commit path into TQ, the scoring stage "
+            "taken out (each group arrives scored); its group encoded on the event loop",
             lambda s: num(s["commit_path_groups_per_s"]), "commit_path_groups_per_s"),
         Row("`consume_path_groups_per_s`", "groups/s consumed (index removed, TQ cleared)",
             lambda s: num(s["consume_path_groups_per_s"])),

@@ -34,7 +34,9 @@ Layering, bottom to top (a module imports only from layers below it):
    through a callback and never sees the controller or the checkpointer.
    ``goodput``: how busy generation is, its bound, what it wastes; it reads the
    rollouts, the token counter and each train step, never the controller.
-   ``risk``: the loss window, what a crash now would lose.
+   ``risk``: the loss window, what a crash now would lose.  ``scoring``: the stage
+   between generation and commit that scores each finished sibling once with the
+   rewards, and waits out a reward service's outage; the rollouts own it.
 6. ``checkpoint``: the bundle layout, save, restore and offline verify.  It
    works on the state, the data plane, the trainer and the rollouts, never the
    controller; restore is one path from bundle to the first admission.

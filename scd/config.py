@@ -289,6 +289,10 @@ class TelemetryConfig(_Section):
     mlflow: MlflowConfig = msgspec.field(default_factory=MlflowConfig)
     # The sliding window scd_engine_busy_ratio and the rates behind scd_engine_busy_bound are measured over.
     goodput_window_s: float = 30.0
+    # Every this many train steps, sample_rows of the step's completions (prompt, completion, answer, reward)
+    # go to the event log (a `samples` event) and to each tracker; 0: never.
+    sample_every_steps: int = 10
+    sample_rows: int = 4
 
 
 class Config(_Section):
@@ -606,6 +610,9 @@ def validate(config: Config) -> None:
         _require(math.isfinite(reward.weight), f"task.rewards[{index}].weight",
                  f"must be a finite number, got {reward.weight}")
     _require(tel.goodput_window_s > 0, "telemetry.goodput_window_s", f"must be > 0, got {tel.goodput_window_s}")
+    _require(tel.sample_every_steps >= 0, "telemetry.sample_every_steps",
+             f"must be >= 0 (0 = never), got {tel.sample_every_steps}")
+    _require(tel.sample_rows >= 1, "telemetry.sample_rows", f"must be >= 1, got {tel.sample_rows}")
     _warn_if_beyond_the_window(config)
 
 

@@ -62,7 +62,7 @@ from scd.telemetry import metrics
 from scd.telemetry.tracker_hub import event_log
 from scd.training.base import Trainer
 from scd.training.group import open_trainer
-from scd.watch import Watch
+from scd.watch import CompletionSampler, Watch
 
 log = logging.getLogger(__name__)
 
@@ -104,7 +104,8 @@ class Controller:
                                           self.rollouts, backend)
                              if config.checkpointing.enabled else None)
         self.watch = Watch(config, self.state, self.rollouts, self.goodput, self.tokens, trainer, dataplane,
-                           self.events, self.checkpointer, lambda: self.ready, self.rollouts.scoring)
+                           self.events, self.checkpointer, lambda: self.ready, self.rollouts.scoring,
+                           CompletionSampler(prompts, policy.decode, config.telemetry.sample_rows))
         self.metrics_port: int | None = None
         self.ready = False
         self._shutdown = anyio.Event()
@@ -253,7 +254,7 @@ class Controller:
         weight_sync_s = time.monotonic() - sync_started  # the backend observes it, labelled by its path
         await self.backend.abort_older_than(state.window_start())
         self._notify()
-        await self.watch.step_done(batch, result, staleness, weight_sync_s, self._last_read_s)
+        await self.watch.step_done(batch, groups, result, staleness, weight_sync_s, self._last_read_s)
 
     async def train_pump(self, max_steps: int) -> None:
         """Train until ``max_steps`` or shutdown; always returns at a step boundary.

@@ -12,7 +12,8 @@ import logging
 import statistics
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import anyio
 
@@ -21,12 +22,14 @@ from scd.config import Config
 from scd.dataplane import DataPlane
 from scd.generation.tokens import TokenCounter, TokenCounterStatistics
 from scd.goodput import GoodputMeter
+from scd.model.prompts import RenderedPrompt
+from scd.records import Rollout
 from scd.replay import GroupMeta
 from scd.rollouts import Rollouts
 from scd.scoring import ScoringStage
 from scd.state import ControllerState
 from scd.telemetry import metrics
-from scd.telemetry.events import EventLog, Sample, Stall, TrainStep
+from scd.telemetry.events import Completions, EventLog, Sample, SampleRow, Stall, TrainStep
 from scd.training.base import StepResult, Trainer
 
 log = logging.getLogger(__name__)
@@ -40,7 +43,8 @@ RECENT_STEPS = 32  # step times the stall limit's median is taken over
 class Watch:
     def __init__(self, config: Config, state: ControllerState, rollouts: Rollouts, goodput: GoodputMeter,
                  tokens: TokenCounter, trainer: Trainer, dataplane: DataPlane, events: EventLog,
-                 checkpointer: Checkpointer | None, serves: Callable[[], bool], scoring: ScoringStage) -> None:
+                 checkpointer: Checkpointer | None, serves: Callable[[], bool], scoring: ScoringStage,
+                 sampler: CompletionSampler) -> None:
         self.config = config
         self.state = state
         self.rollouts = rollouts
@@ -52,6 +56,7 @@ class Watch:
         self.checkpointer = checkpointer
         self.serves = serves  # whether the run serves (ready, not draining): only then can training stall
         self.scoring = scoring
+        self.sampler = sampler
         self._last_stall = (0.0, 0.0)  # (monotonic time, seconds late) of the worst recent probe
         self._last_step_mark = (time.monotonic(), 0, 0, 0)  # (time, committed groups, committed tokens, tokens)
         self._last_completions = tokens.statistics()  # the completions counted at the last step
@@ -90,9 +95,10 @@ class Watch:
         """The stall limit counts from here until the first step."""
         self._last_progress = time.monotonic()
 
-    async def step_done(self, batch: list[GroupMeta], result: StepResult, staleness: int, weight_sync_s: float,
-                        read_s: float) -> None:
-        """A train step was applied: its gauges, its log line, the rates since the last one, its event."""
+    async def step_done(self, batch: list[GroupMeta], groups: list[list[Rollout]], result: StepResult, staleness: int,
+                        weight_sync_s: float, read_s: float) -> None:
+        """A train step was applied: its gauges, its log line, the rates since the last one, its event; every
+        ``telemetry.sample_every_steps``, a few of its completions."""
         state = self.state
         metrics.train_reward_mean.set(result.reward_mean)
         metrics.train_staleness.set(staleness)
@@ -123,6 +129,10 @@ class Watch:
             **self.goodput.on_train_step(batch).event_fields(), **self._completion_fields(completions),
             reward_components=_batch_components(batch),
         ))
+        every = self.config.telemetry.sample_every_steps
+        if every and state.trainer_step % every == 0:
+            rows = await anyio.to_thread.run_sync(self.sampler.rows, batch, groups)
+            await self.events.emit(Completions(step=state.trainer_step, rows=rows))
 
     def _completion_fields(self, now: TokenCounterStatistics) -> dict[str, float | None]:
         """The share truncated and the mean length of the complete completions generated since the last
@@ -187,3 +197,24 @@ def _batch_components(batch: list[GroupMeta]) -> dict[str, float]:
     names = {name for group in batch for name in group.reward_components}
     return {name: statistics.fmean(g.reward_components[name] for g in batch if name in g.reward_components)
             for name in sorted(names)}
+
+
+@dataclass(frozen=True, slots=True)
+class CompletionSampler:
+    """What a ``completions`` event shows of a train step: the first sibling of each of its first ``count``
+    groups, as a person reads it."""
+
+    prompts: Sequence[RenderedPrompt]
+    decode: Callable[[Sequence[int]], str]
+    count: int
+
+    def rows(self, batch: Sequence[GroupMeta], groups: Sequence[Sequence[Rollout]]) -> list[SampleRow]:
+        """Blocking (it decodes): off the loop."""
+        sampled = []
+        for group, rollouts in zip(batch[:self.count], groups, strict=False):
+            first = rollouts[0]
+            prompt = self.prompts[group.prompt_id].prompt
+            sampled.append(SampleRow(epoch=group.epoch, prompt_id=group.prompt_id, prompt=prompt.prompt,
+                                     completion=self.decode(first.input_ids[first.prompt_len:].tolist()),
+                                     answer=prompt.answer, reward=first.reward))
+        return sampled

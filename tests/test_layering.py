@@ -17,7 +17,7 @@ LAYERS: dict[str, int] = {
     "model": 3,
     "cluster": 4, "dataplane": 4, "training": 4, "generation": 4, "telemetry": 4, "rewards": 4, "systemd": 4,
     "reaper": 4,
-    "rollouts": 5, "goodput": 5, "risk": 5,
+    "rollouts": 5, "scoring": 5, "goodput": 5, "risk": 5,
     "checkpoint": 6,
     "daemon": 7, "watch": 7,
     "cli": 8, "report": 8,

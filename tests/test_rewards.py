@@ -112,6 +112,8 @@ def modules(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, s
      "task.rewards[0].args.batch_size"),
     ([{"function": "exact"}, {"function": "exact"}], "task.rewards[1].name"),
     ([{"function": "exact", "name": "a/b"}], "task.rewards[0].name"),
+    ([{"function": "no/such/file.py:reward"}], "task.rewards[0].function"),
+    ([{"function": "{broken}.py:reward"}], "task.rewards[0].function"),
 ])
 def test_a_reward_that_cannot_be_resolved_names_its_key(
         modules: tuple[Path, dict[str, str]], rewards: list[dict[str, Any]], key: str) -> None:
@@ -135,6 +137,22 @@ def test_a_module_comes_from_the_config_directory_first_then_sys_path(
     only_elsewhere = write_module(elsewhere, "def reward(prompt, completion, answer, row):\n    return 0.0\n")
     load_rewards(task_config({"function": f"{only_elsewhere}:reward"}), config_dir)
     assert str(config_dir) not in sys.path  # the config's directory was searched for the import only
+
+
+async def test_a_module_may_be_a_file_relative_to_the_config_directory(tmp_path: Path) -> None:
+    config_dir, rewards = tmp_path / "configs", tmp_path / "examples" / "task"
+    config_dir.mkdir()
+    rewards.mkdir(parents=True)
+    (rewards / "helper.py").write_text("BONUS = 0.25\n")
+    # Two files of one name are two modules; each imports what lies beside it.
+    (rewards / "reward.py").write_text("from helper import BONUS\n\n"
+                                       "def reward(prompt, completion, answer, row):\n    return 1.0 + BONUS\n")
+    (config_dir / "reward.py").write_text("def reward(prompt, completion, answer, row):\n    return 0.0\n")
+    config = task_config({"function": "../examples/task/reward.py:reward", "name": "file"},
+                         {"function": "reward.py:reward", "name": "beside"})
+    [result] = await scored(config, [item("x")], config_dir)
+    assert result.components == {"file": 1.25, "beside": 0.0}
+    assert str(rewards) not in sys.path
 
 
 def test_reward_workers_auto_leaves_a_core_to_the_loop() -> None:

@@ -4,6 +4,7 @@ regenerates nothing, across a SIGKILL too."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -18,9 +19,12 @@ import orjson
 import pytest
 
 from scd.checkpoint import layout
-from scd.config import parse_config
+from scd.config import derive_config, parse_config
 from scd.daemon import Controller
-from scd.model.policy import build_policy
+from scd.model.init_tiny import write_tokenizer
+from scd.model.policy import HFPolicy, build_policy
+from scd.model.prompts import render_task
+from scd.rewards import RewardInput, load_rewards
 from scd.schema import Sidecar, decode
 from tests.conftest import REPO, ScdProcess, free_port, tiny_config, write_config
 
@@ -61,7 +65,8 @@ async def test_a_custom_reward_gets_each_rows_columns_and_its_parts_reach_the_st
     (tmp_path / "recording_reward.py").write_text(RECORDING)
     config = tiny_config(tmp_path, partition, task={
         "name": "jsonl", "path": str(write_dataset(tmp_path)),
-        "rewards": [{"function": "recording_reward:reward", "name": "digits"}, {"function": "exact", "weight": 0.5}]})
+        "rewards": [{"function": "recording_reward:reward", "name": "digits"}, {"function": "exact", "weight": 0.5}]},
+        telemetry={"sample_every_steps": 1, "sample_rows": 2})
     async with Controller.open(config, config_dir=tmp_path) as controller:
         await controller.run(max_steps=2)
         scored = controller.rollouts.scoring.statistics().scored
@@ -72,14 +77,54 @@ async def test_a_custom_reward_gets_each_rows_columns_and_its_parts_reach_the_st
         row = by_prompt[call["prompt"]]
         assert call["answer"] == row["answer"] and call["row"] == {"id": row["id"], "level": row["level"]}
     assert os.getpid() not in {call["pid"] for call in seen}  # a sync reward runs in a worker process
-    steps = [orjson.loads(line) for line in Path(config.telemetry.events_path).read_text().splitlines()
-             if b'"train_step"' in line.encode()]
+    events = [orjson.loads(line) for line in Path(config.telemetry.events_path).read_bytes().splitlines()]
+    steps = [e for e in events if e["event"] == "train_step"]
     assert len(steps) == 2
+    # What the policy wrote, every step here: the prompt as the dataset gives it, the text, the answer, the reward.
+    sampled = [e for e in events if e["event"] == "completions"]
+    assert [e["step"] for e in sampled] == [1, 2] and all(len(e["rows"]) == 2 for e in sampled)
+    for row in (row for e in sampled for row in e["rows"]):
+        assert by_prompt[row["prompt"]]["answer"] == row["answer"] and row["epoch"] == 0
+        assert isinstance(row["completion"], str) and 0 <= row["reward"] <= 1.5
     for step in steps:
         assert set(step["reward_components"]) == {"digits", "digits/length", "exact"}
         assert 0 < step["reward_components"]["digits/length"] <= config.generation.max_new_tokens
         parts = step["reward_components"]
         assert step["reward_mean"] == pytest.approx(parts["digits"] + 0.5 * parts["exact"], abs=1e-6)
+
+
+async def test_the_chat_example_renders_its_template_and_pays_for_the_answer_and_for_stopping(tmp_path: Path) -> None:
+    """configs/chat-task.toml without its engine: the dataset its script makes, the prompts as the tokenizer's
+    chat template renders them, and its two rewards."""
+    made = tmp_path / "made"
+    made.mkdir()
+    script = REPO / "examples" / "chat_reversal" / "make_data.py"
+    (made / "make_data.py").write_bytes(script.read_bytes())
+    subprocess.run([sys.executable, str(made / "make_data.py")], check=True, timeout=60)
+    for name in ("train.jsonl", "eval.jsonl"):
+        assert (made / name).read_bytes() == (script.parent / name).read_bytes(), f"{name} is not what the script makes"
+    train = [orjson.loads(line) for line in (script.parent / "train.jsonl").read_bytes().splitlines()]
+    evaluation = [orjson.loads(line) for line in (script.parent / "eval.jsonl").read_bytes().splitlines()]
+    assert not {r["answer"] for r in train} & {r["answer"] for r in evaluation}
+
+    write_tokenizer(tmp_path / "model")
+    (tmp_path / "model" / "config.json").write_text('{"model_type": "llama", "max_position_embeddings": 128}')
+    config = derive_config(REPO / "configs" / "chat-task.toml", {"model": {"name": str(tmp_path / "model")}})
+    tokenizer = HFPolicy(config.model).tokenizer
+    rendered = render_task(config, build_policy(config.model, 0)).prompts
+    assert [p.token_ids for p in rendered] == [
+        tuple(tokenizer.apply_chat_template(row["prompt"], add_generation_prompt=True, tokenize=True,
+                                            return_dict=False)) for row in train]
+    assert len(rendered[0].token_ids) + config.generation.max_new_tokens <= config.generation.vllm.max_model_len
+
+    row = train[0]
+    # The answer then EOS; the answer running on past it; no digit at all.
+    completions = [row["answer"], row["answer"] + "00", "abcd"]
+    async with contextlib.aclosing(load_rewards(config.task, REPO / "configs")) as scorer:
+        scored = await scorer.score([RewardInput(0, row["prompt"], completion, row["answer"], {})
+                                     for completion in completions])
+    assert [s.total for s in scored] == pytest.approx([1.0, 0.5, 0.0])
+    assert set(scored[0].components) == {"digits", "digits/exact", "format"}
 
 
 FLAGGED = """

@@ -35,6 +35,8 @@ pytest.importorskip("wandb")
 pytest.importorskip("mlflow")
 
 ALL_TRACKERS = """trackers = ["tensorboard", "wandb", "mlflow"]
+sample_every_steps = 2
+sample_rows = 3
 [telemetry.wandb]
 mode = "offline"
 
@@ -56,6 +58,15 @@ def tensorboard_scalars(run_dir: Path, tag: str) -> list[tuple[int, float, float
     accumulator = EventAccumulator(str(run_dir), size_guidance={"scalars": 0})
     accumulator.Reload()
     return [(e.step, e.wall_time, e.value) for e in accumulator.Scalars(tag)]
+
+
+def tensorboard_texts(run_dir: Path, tag: str) -> list[tuple[int, str]]:
+    """(step, markdown) of a text summary ``tag``, as TensorBoard's text plugin reads it."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    accumulator = EventAccumulator(str(run_dir), size_guidance={"tensors": 0})
+    accumulator.Reload()
+    return [(e.step, e.tensor_proto.string_val[0].decode()) for e in accumulator.Tensors(tag)]
 
 
 _WANDB_BLOCK = 32 * 1024  # a W&B run file is a LevelDB-style log: 32 KiB blocks of checksummed chunks
@@ -181,12 +192,23 @@ def test_every_tracker_shows_one_run_across_a_sigkill_and_restore(
     clock = tensorboard_scalars(run_dir, "time/run_s")
     check_clock([t for _, t, _ in clock], [v for _, _, v in clock])
     assert [s for s, _, _ in tensorboard_scalars(run_dir, "restore/phases/total")] == [k]
+    # What the policy wrote, every second step, each step once.
+    texts = tensorboard_texts(run_dir, "completions")
+    assert strictly_increasing([s for s, _ in texts]) and all(s % 2 == 0 for s, _ in texts), texts
+    assert {s for s, _ in texts} >= set(range(2, last + 1, 2)) - retrained
+    header, _, *table = texts[-1][1].splitlines()
+    assert header == "| epoch | prompt_id | prompt | completion | answer | reward |" and len(table) == 3
+    completions = [e for e in events if e["event"] == "completions"]
+    assert [e["step"] for e in completions][-1] == last and all(len(e["rows"]) == 3 for e in completions)
+    assert set(completions[-1]["rows"][0]) == {"epoch", "prompt_id", "prompt", "completion", "answer", "reward"}
 
     # W&B: one run id, an offline directory per process, the trainer step as the axis.
     histories = [wandb_history(d) for d in sorted((out / "wandb").glob("offline-run-*"))]
     assert len(histories) == 2 and {run_id for run_id, _ in histories} == {run.run_id}
     rows = [row for _, history in histories for row in history if "train/loss" in row]
     check_axes([r["trainer/step"] for r in rows], [r["time/run_s"] for r in rows])
+    tables = [row for _, history in histories for row in history if "completions" in row]
+    assert tables and all(t["completions"]["_type"] == "table-file" and t["trainer/step"] % 2 == 0 for t in tables)
 
     # MLflow: one run, tagged with the run id.
     client = mlflow_client(out, monkeypatch)
@@ -197,6 +219,9 @@ def test_every_tracker_shows_one_run_across_a_sigkill_and_restore(
     check_axes([m.step for m in history], [m.timestamp / 1000 - run.started_at for m in history])
     clock = client.get_metric_history(mlflow_run.info.run_id, "time/run_s")
     check_clock([m.timestamp / 1000 for m in clock], [m.value for m in clock])
+    artifacts = [a.path for a in client.list_artifacts(mlflow_run.info.run_id, "completions")]
+    assert f"completions/step_{last:08d}.json" in artifacts
+    assert all(re.fullmatch(r"completions/step_\d{8}\.json", a) for a in artifacts)
 
     # Skew counts are part of the cut: every train step of the surviving history is counted, once.
     fates = decode(final / layout.SIDECAR_FILE, Sidecar).prompt_fates

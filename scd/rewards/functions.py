@@ -9,6 +9,7 @@ here imports the event loop's libraries: a worker process loads this and the use
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import inspect
 import logging
 import math
@@ -218,8 +219,8 @@ def load_function(reward: RewardConfig, key: str, base_dir: Path) -> LoadedFunct
         return LoadedFunction(function, builtin, is_async=False)
     module_name, _, attribute = function.partition(":")
     if not module_name or not attribute:
-        raise ConfigError(f"{key}.function", f"must be one of {', '.join(BUILTINS)}, {HTTP_REWARD}, or "
-                                             f"module:function, got {function!r}")
+        raise ConfigError(f"{key}.function", f"must be one of {', '.join(BUILTINS)}, {HTTP_REWARD}, "
+                                             f"module:function or path/to/file.py:function, got {function!r}")
     module = _imported(module_name, base_dir, f"{key}.function")
     target = getattr(module, attribute, None)
     if not callable(target):
@@ -239,6 +240,10 @@ def load_function(reward: RewardConfig, key: str, base_dir: Path) -> LoadedFunct
 
 
 def _imported(module_name: str, base_dir: Path, key: str) -> ModuleType:
+    """``module_name`` imported from ``base_dir`` first, then ``sys.path``; a name ending in ``.py`` is the
+    module's file, relative to ``base_dir`` (as verl's ``custom_reward_function.path``)."""
+    if module_name.endswith(".py"):
+        return _loaded_file(base_dir / module_name, key)
     # The config's directory comes first, as a script's own does for `python script.py`; only for this
     # import, so the process keeps its own search path.
     sys.path.insert(0, str(base_dir))
@@ -249,6 +254,31 @@ def _imported(module_name: str, base_dir: Path, key: str) -> ModuleType:
                                f"{type(exc).__name__}: {exc}") from None
     finally:
         sys.path.remove(str(base_dir))
+
+
+def _loaded_file(path: Path, key: str) -> ModuleType:
+    """The module in the file at ``path``, once per process; its own directory is searched first for what it
+    imports, while it loads."""
+    path = path.resolve()
+    # Named by its path, so that two files of one name are two modules.
+    name = "scd_reward_file_" + re.sub(r"\W", "_", str(path))
+    if name in sys.modules:
+        return sys.modules[name]
+    if not path.is_file():
+        raise ConfigError(key, f"no reward module file {path}")
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None  # a path ending in .py always has a source loader
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    sys.path.insert(0, str(path.parent))
+    try:
+        spec.loader.exec_module(module)
+    except Exception as exc:
+        del sys.modules[name]
+        raise ConfigError(key, f"cannot load {path}: {type(exc).__name__}: {exc}") from None
+    finally:
+        sys.path.remove(str(path.parent))
+    return module
 
 
 _S = TypeVar("_S", bound=msgspec.Struct)

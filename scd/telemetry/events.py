@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 from types import TracebackType
-from typing import Protocol, Self
+from typing import Any, Protocol, Self
 
 import aiofiles
 import anyio
@@ -107,6 +107,23 @@ class TrainStep(Event, tag="train_step", kw_only=True):
     reward_components: dict[str, float] = msgspec.field(default_factory=dict)
 
 
+class SampleRow(msgspec.Struct, kw_only=True):
+    """One completion a train step trained on, as a person reads it."""
+
+    epoch: int
+    prompt_id: int
+    prompt: Any  # the dataset's prompt field as given: text, or chat messages
+    completion: str
+    answer: Any
+    reward: float
+
+
+class Completions(Event, tag="completions", kw_only=True):
+    """A few of a train step's completions (``telemetry.sample_every_steps``)."""
+
+    rows: list[SampleRow]
+
+
 class Sample(Event, tag="sample", kw_only=True):
     """The telemetry interval's gauges."""
 
@@ -130,7 +147,7 @@ class Stall(Event, tag="stall", kw_only=True):
     replay_groups: int
 
 
-TRACKED = (TrainStep, Checkpoint, Restore)  # what experiment trackers show
+TRACKED = (TrainStep, Checkpoint, Restore, Completions)  # what experiment trackers show
 
 
 def tag_of(kind: type[Event]) -> str:

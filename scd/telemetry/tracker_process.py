@@ -36,7 +36,7 @@ import orjson
 from scd import faults, reaper
 from scd.config import TelemetryConfig
 from scd.schema import RunIdentity
-from scd.telemetry.trackers import MODULES, StepMark, open_tracker, point_of
+from scd.telemetry.trackers import COMPLETIONS, MODULES, CompletionRows, StepMark, open_tracker, point_of
 
 # Under contention a tracker gets about a tenth of a pump's CPU share (CFS weights 110 vs 1024): behind,
 # never starved.  SCHED_IDLE starved it outright on a busy 2-core box: W&B had not started its run when
@@ -79,14 +79,21 @@ def serve(name: str, telemetry: TelemetryConfig, mark_dir: Path, lines: queue.Qu
             os._exit(0)
         run = msgspec.json.decode(first, type=RunIdentity)
         mark = StepMark(mark_dir / f"{name}.jsonl", run.run_id)
+        logged_step = -1  # the last train step this process logged: a completions event goes with it only
         while (line := lines.get()) is not None:
-            point = point_of(orjson.loads(line), run)
+            record = orjson.loads(line)
+            if record.get("event") == COMPLETIONS:
+                if record["step"] == logged_step and tracker is not None:
+                    tracker.log_completions(CompletionRows.of(record))
+                continue
+            point = point_of(record, run)
             if point is None:
                 continue
             if point.train:
                 if point.step <= mark.step:
                     continue  # logged before a crash, trained again after the restore
                 mark.advance(point.step)
+                logged_step = point.step
             if tracker is None:
                 tracker = open_tracker(name, telemetry, run)
             faults.hit(f"{name}_log")

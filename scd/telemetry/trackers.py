@@ -3,9 +3,11 @@
 ``telemetry.trackers`` lists them.  Each gets the numbers of every ``train_step`` event (``train/...``:
 the same scalars, the skew figure included), and of ``checkpoint`` and ``restore`` events: outcomes
 (``checkpoint/completed`` = 1, ...), phases (``checkpoint/phases/tq_save``, ...) and recovery counts
-(``restore/groups_restored``, ...).  Two axes: the trainer step, and ``time/run_s``, the wall-clock seconds
-since the logical run first started, which go on across restarts (each tracker's own timestamp is the
-event's absolute time).  W&B plots everything against ``trainer/step``.
+(``restore/groups_restored``, ...); and the rows of ``completions`` events, what the policy wrote
+(TensorBoard: a text table, W&B: a table, MLflow: a JSON artifact per step), each only with its train step.
+Two axes: the trainer step, and ``time/run_s``, the wall-clock seconds since the logical run first started,
+which go on across restarts (each tracker's own timestamp is the event's absolute time).  W&B plots
+everything against ``trainer/step``.
 
 Each tracker runs in a process of its own (``scd.telemetry.tracker_process``), fed by scd's
 ``scd.telemetry.tracker_hub``; this module is what that process runs, and the check scd makes first.
@@ -34,7 +36,7 @@ import orjson
 from scd.config import MlflowConfig, TelemetryConfig, TensorBoardConfig, WandbConfig
 from scd.errors import ConfigError
 from scd.schema import Outcome, RunIdentity
-from scd.telemetry.events import Checkpoint, Restore, TrainStep, tag_of
+from scd.telemetry.events import Checkpoint, Completions, Restore, TrainStep, tag_of
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +51,8 @@ MODULES = {"tensorboard": "tensorboard.summary.writer.event_file_writer", "wandb
             "mlflow": "mlflow.tracking"}
 # The events trackers are sent (``scd.telemetry.events.TRACKED``), by the tag of their lines, and the prefix of
 # their scalars.
-_TRAIN_STEP, _CHECKPOINT = tag_of(TrainStep), tag_of(Checkpoint)
+_TRAIN_STEP, _CHECKPOINT, COMPLETIONS = tag_of(TrainStep), tag_of(Checkpoint), tag_of(Completions)
+_COMPLETION_COLUMNS = ("epoch", "prompt_id", "prompt", "completion", "answer", "reward")
 _PREFIXES = {_TRAIN_STEP: "train/", _CHECKPOINT: "checkpoint/", tag_of(Restore): "restore/"}
 _AXES = frozenset({"event", "time", "step"})
 
@@ -100,8 +103,40 @@ def point_of(record: Mapping[str, Any], run: RunIdentity) -> TrackerPoint | None
     return TrackerPoint(int(record["step"]), at, scalars, kind == _TRAIN_STEP)
 
 
+@dataclass(frozen=True, slots=True)
+class CompletionRows:
+    """A ``completions`` event's rows, each cell as text (a chat prompt as ``role: content`` lines)."""
+
+    step: int
+    time: float
+    rows: list[tuple[str, ...]]  # in _COMPLETION_COLUMNS' order
+
+    @classmethod
+    def of(cls, record: Mapping[str, Any]) -> CompletionRows:
+        return cls(int(record["step"]), float(record["time"]),
+                   [tuple(_cell(row[column]) for column in _COMPLETION_COLUMNS) for row in record["rows"]])
+
+    def markdown(self) -> str:
+        def escaped(cell: str) -> str:
+            return cell.replace("|", "\\|").replace("\n", "<br>")
+
+        lines = ["| " + " | ".join(_COMPLETION_COLUMNS) + " |", "|" + "---|" * len(_COMPLETION_COLUMNS)]
+        lines += ["| " + " | ".join(map(escaped, row)) + " |" for row in self.rows]
+        return "\n".join(lines)
+
+
+def _cell(value: object) -> str:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list) and all(isinstance(m, Mapping) and {"role", "content"} <= m.keys() for m in value):
+        return "\n".join(f"{m['role']}: {m['content']}" for m in value)
+    return orjson.dumps(value).decode()
+
+
 class Tracker(Protocol):
     def log(self, point: TrackerPoint) -> None: ...
+
+    def log_completions(self, completions: CompletionRows) -> None: ...
 
     def flush(self) -> None:
         """Make what was logged durable (called when the queue runs empty)."""
@@ -125,6 +160,18 @@ class TensorBoardTracker:
         values = [self._summary.Value(tag=key, simple_value=value) for key, value in point.scalars.items()]
         self._writer.add_event(self._event(wall_time=point.time, step=point.step, summary=self._summary(value=values)))
 
+    def log_completions(self, completions: CompletionRows) -> None:
+        from tensorboard.compat.proto import types_pb2
+        from tensorboard.compat.proto.summary_pb2 import SummaryMetadata
+        from tensorboard.compat.proto.tensor_pb2 import TensorProto
+
+        # What TensorBoard's text plugin reads: a string tensor of markdown.
+        value = self._summary.Value(
+            tag=COMPLETIONS, metadata=SummaryMetadata(plugin_data=SummaryMetadata.PluginData(plugin_name="text")),
+            tensor=TensorProto(dtype=types_pb2.DT_STRING, string_val=[completions.markdown().encode()]))
+        self._writer.add_event(self._event(wall_time=completions.time, step=completions.step,
+                                           summary=self._summary(value=[value])))
+
     def flush(self) -> None:
         self._writer.flush()
 
@@ -146,6 +193,12 @@ class WandbTracker:
 
     def log(self, point: TrackerPoint) -> None:
         self._run.log({STEP_KEY: point.step, **point.scalars})
+
+    def log_completions(self, completions: CompletionRows) -> None:
+        import wandb
+
+        table = wandb.Table(columns=list(_COMPLETION_COLUMNS), data=[list(row) for row in completions.rows])
+        self._run.log({STEP_KEY: completions.step, COMPLETIONS: table})
 
     def flush(self) -> None:
         """W&B's own service writes and uploads in the background."""
@@ -181,6 +234,11 @@ class MlflowTracker:
         batch = [self._metric(_MLFLOW_UNSAFE.sub("_", key), value, at_ms, point.step)
                  for key, value in point.scalars.items()]
         self._client.log_batch(self._run_id, metrics=batch)
+
+    def log_completions(self, completions: CompletionRows) -> None:
+        rows = [dict(zip(_COMPLETION_COLUMNS, row, strict=True)) for row in completions.rows]
+        self._client.log_text(self._run_id, orjson.dumps(rows, option=orjson.OPT_INDENT_2).decode(),
+                              f"{COMPLETIONS}/step_{completions.step:08d}.json")
 
     def flush(self) -> None:
         """Every ``log_batch`` is written when it returns."""
