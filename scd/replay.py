@@ -8,6 +8,8 @@ key for key.
 from __future__ import annotations
 
 import hashlib
+import statistics
+from collections.abc import Sequence
 
 import msgspec
 import torch
@@ -41,6 +43,14 @@ class GroupMeta(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     def completion_tokens(self) -> int:
         """The tokens generation made (each row less its prompt): what goodput and waste count."""
         return self.tokens - self.prompt_len * len(self.seq_lens)
+
+
+def mean_reward_components(groups: Sequence[GroupMeta]) -> dict[str, float]:
+    """Each reward component's mean over the groups that have it (a group's is its siblings' mean; groups
+    of bundles before schema 6 have none)."""
+    names = sorted({name for group in groups for name in group.reward_components})
+    return {name: statistics.fmean(g.reward_components[name] for g in groups if name in g.reward_components)
+            for name in names}
 
 
 def rollouts_of(group: GroupMeta, input_ids: list[torch.Tensor], logprobs: list[torch.Tensor]) -> list[Rollout]:

@@ -24,7 +24,7 @@ from scd.generation.tokens import TokenCounter, TokenCounterStatistics
 from scd.goodput import GoodputMeter
 from scd.model.prompts import RenderedPrompt
 from scd.records import Rollout
-from scd.replay import GroupMeta
+from scd.replay import GroupMeta, mean_reward_components
 from scd.rollouts import Rollouts
 from scd.scoring import ScoringStage
 from scd.state import ControllerState
@@ -127,7 +127,7 @@ class Watch:
             generated_tokens_per_s=(tokens - last_tokens) / elapsed,
             committed_tokens_per_s=(committed - last_committed) / elapsed,
             **self.goodput.on_train_step(batch).event_fields(), **self._completion_fields(completions),
-            reward_components=_batch_components(batch),
+            reward_components=mean_reward_components(batch),
         ))
         every = self.config.telemetry.sample_every_steps
         if every and state.trainer_step % every == 0:
@@ -191,12 +191,6 @@ class Watch:
             if late >= self._last_stall[1] or now - self._last_stall[0] >= LOOP_STALL_WINDOW_S:
                 self._last_stall = (now, late)
 
-
-def _batch_components(batch: list[GroupMeta]) -> dict[str, float]:
-    """Each reward component's mean over the step's groups that have it (each group's is its siblings' mean)."""
-    names = {name for group in batch for name in group.reward_components}
-    return {name: statistics.fmean(g.reward_components[name] for g in batch if name in g.reward_components)
-            for name in sorted(names)}
 
 
 @dataclass(frozen=True, slots=True)

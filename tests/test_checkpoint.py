@@ -495,6 +495,9 @@ def test_scd_checkpoint_inspect_and_list(golden: dict[str, Any]) -> None:
         assert key in summary
     assert summary["step"] == 6 and summary["sampler"] == "windowed" and summary["storage_units"] == 1
     assert summary["ledger"]["ready"] == summary["groups"] == golden["groups"]
+    # The golden run scores with the default reward, the character match; its in-flight siblings' scores.
+    assert set(summary["reward_components"]) == {"match"} and 0 <= summary["reward_components"]["match"] <= 1
+    assert 0 <= summary["siblings_scored"] <= summary["siblings_finished"]
     listing = subprocess.run([*SCD, "checkpoint", "list", str(root)], cwd=REPO, capture_output=True, text=True,
                              timeout=120)
     assert listing.returncode == 0

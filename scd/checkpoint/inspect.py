@@ -6,6 +6,7 @@ from pathlib import Path
 
 from scd.checkpoint import layout
 from scd.checkpoint.verify import storage_units_of, verify_bundle
+from scd.replay import mean_reward_components
 
 
 def list_bundles(root: Path) -> list[dict[str, object]]:
@@ -37,5 +38,9 @@ def inspect_bundle(path: Path) -> dict[str, object]:
         "prefixes_finished": len(verified.sidecar.finished_siblings),
         "prefix_tokens": sum(len(p.token_ids) for p in verified.sidecar.prefixes)
         + sum(len(f.token_ids) for f in verified.sidecar.finished_siblings),
+        # Finished siblings of in-flight groups (staged, or finished in the cut), and how many have their score.
+        "siblings_finished": verified.ledger.staged_count() + len(verified.sidecar.finished_siblings),
+        "siblings_scored": len(verified.sidecar.sibling_scores),
+        "reward_components": mean_reward_components(verified.index.groups()),
     }
 
