@@ -163,12 +163,19 @@ class TrainerConfig(_Section):
     resources_per_rank: dict[str, float] = msgspec.field(default_factory=dict)
     # How long the ranks' placement group may wait for the cluster to have room.
     placement_timeout_s: float = 120.0
-    # FSDP2 mixed precision (CUDA only): the dtype ranks compute in and the one gradients are reduced
-    # in ("" = the model's own).  bf16 params with fp32 reduce is the usual choice.
+    # The weights the optimizer updates, and its state: "float32" master weights whatever model.dtype is (the
+    # model computes in model.dtype; generation and exports get model.dtype), or "model": model.dtype itself,
+    # pure low precision (an update below its resolution is lost: at lr 1e-6 in bf16, most are).
+    master_dtype: Literal["float32", "model"] = "float32"
+    # The dtype the model computes in ("" = model.dtype) and, on FSDP2 ranks, the one gradients are reduced
+    # in ("" = the compute dtype's).  At world size 1 on any device; on ranks, CUDA only.
     param_dtype: Literal["", "float32", "bfloat16", "float16"] = ""
     reduce_dtype: Literal["", "float32", "bfloat16", "float16"] = ""
-    # Recompute each decoder layer's activations in the backward pass (ranks only): memory for time.
+    # Recompute each decoder layer's activations in the backward pass: memory for time.
     activation_checkpointing: bool = False
+    # Completion tokens whose logits exist at once when the trainer computes logprobs at world size 1 (each
+    # chunk recomputed in backward); 0: about 256 MiB of fp32 logits a chunk.
+    logprob_chunk_tokens: int = 0
 
 
 class RewardConfig(_Section):
@@ -550,10 +557,11 @@ def validate(config: Config) -> None:
              f"every amount must be > 0, got {tr.resources_per_rank}")
     cuda = tr.device.startswith("cuda")
     for key, value in (("trainer.param_dtype", tr.param_dtype), ("trainer.reduce_dtype", tr.reduce_dtype)):
-        _require(not value or (cuda and tr.world_size > 1), key,
-                 "a mixed-precision policy is for FSDP2 ranks on CUDA (trainer.world_size > 1, trainer.device = cuda)")
-    _require(not tr.activation_checkpointing or tr.world_size > 1, "trainer.activation_checkpointing",
-             "applies to the sharded ranks (trainer.world_size > 1)")
+        _require(not value or cuda or tr.world_size == 1, key,
+                 "FSDP2's mixed-precision policy needs CUDA ranks (trainer.device = cuda); in scd's own process "
+                 "(trainer.world_size = 1) it works on the CPU too")
+    _require(tr.logprob_chunk_tokens >= 0, "trainer.logprob_chunk_tokens",
+             f"must be >= 0 (0 = sized for the vocabulary), got {tr.logprob_chunk_tokens}")
     _require(sampler.name in ("windowed", "weight_fifo", "in_order") or ":" in sampler.name,
              "async_rl.sampler.name",
              f"must be windowed, weight_fifo, in_order or module:Class, got {sampler.name!r}")

@@ -66,6 +66,14 @@ class Policy(Protocol):
         """Next-token logits ``[batch, time, vocab]`` for right-padded ``tokens``."""
         ...
 
+    def hidden(self, model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+        """The final hidden states ``[batch, time, width]``: ``output_head`` of them is ``logits``."""
+        ...
+
+    def output_head(self, model: nn.Module) -> nn.Module:
+        """The projection from the final hidden states to the vocabulary's logits."""
+        ...
+
     def decoder_layers(self, model: nn.Module) -> nn.ModuleList:
         """The model's repeated blocks: the units FSDP2 shards and activation checkpointing recomputes."""
         ...
@@ -88,12 +96,15 @@ class TinyCausalLM(nn.Module):
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """Next-token logits ``[batch, time, vocab]`` for ``tokens`` ``[batch, time]``."""
+        return self.head(self.hidden(tokens))
+
+    def hidden(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The final hidden states ``[batch, time, d_model]``, normalised: what the head projects."""
         length = tokens.shape[1]
         positions = torch.arange(length, device=tokens.device)
         hidden = self.token(tokens) + self.position(positions)
         mask = nn.Transformer.generate_square_subsequent_mask(length, device=tokens.device)
-        hidden = self.blocks(hidden, mask=mask, is_causal=True)
-        return self.head(self.norm(hidden))
+        return self.norm(self.blocks(hidden, mask=mask, is_causal=True))
 
 
 class TinyPolicy:
@@ -133,6 +144,12 @@ class TinyPolicy:
 
     def logits(self, model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
         return model(tokens)
+
+    def hidden(self, model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+        return model.hidden(tokens)
+
+    def output_head(self, model: nn.Module) -> nn.Module:
+        return model.head
 
     def decoder_layers(self, model: nn.Module) -> nn.ModuleList:
         return model.blocks.layers
@@ -182,6 +199,19 @@ class HFPolicy:
     def logits(self, model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
         # Right padding: a causal model's logits at real positions never see the pad after them.
         return model(input_ids=tokens, use_cache=False).logits.float()
+
+    def hidden(self, model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+        return model.get_decoder()(input_ids=tokens, use_cache=False).last_hidden_state
+
+    def output_head(self, model: nn.Module) -> nn.Module:
+        # Logits that are more than the head of the hidden states (Gemma's soft-capping, a logit scale) would
+        # come out wrong from the hidden states: such a model trains through ``logits`` only.
+        config = model.config
+        if getattr(config, "final_logit_softcapping", None) or getattr(config, "logit_scale", 1.0) != 1.0:
+            raise ConfigError("model.name", f"{self.model_dir}: its logits are scaled or soft-capped after the "
+                                            "output head, which chunked logprobs do not do; train it at "
+                                            "trainer.world_size > 1")
+        return model.get_output_embeddings()
 
     def decoder_layers(self, model: nn.Module) -> nn.ModuleList:
         # Llama, Qwen, Mistral and most decoder-only HF models keep their blocks at model.model.layers.

@@ -1,8 +1,15 @@
-"""GRPO: group-normalised advantages, PPO-clip against the generation logprobs, AdamW."""
+"""GRPO: group-normalised advantages, PPO-clip against the generation logprobs, AdamW.
+
+In scd's own process (world size 1) the optimizer updates fp32 master weights and keeps fp32 state while
+the model computes in ``model.dtype`` (autocast), unless ``trainer.master_dtype = "model"``; generation
+gets the weights in ``model.dtype``.  Logprobs come from the final hidden states a chunk of completion
+tokens at a time (``scd.training.logprobs``).  FSDP2 ranks keep their own mixed-precision policy and
+compute full logits.
+"""
 
 from __future__ import annotations
 
-import copy
+import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -17,6 +24,9 @@ from scd.model.sampling import Sampling
 from scd.records import Rollout
 from scd.telemetry import metrics
 from scd.training.base import StepResult, StepShare, TrainerStatistics
+from scd.training.logprobs import chunk_tokens_for, token_logprobs
+
+log = logging.getLogger(__name__)
 
 
 def combine(shares: Sequence[StepShare], rewards: Sequence[float]) -> StepResult:
@@ -74,10 +84,28 @@ class GRPOTrainer:
         self.sampling = Sampling.of(config.generation)
         self.sharded = sharded
         self.world_size = 1
+        # What generation and exports get, and what the model computes in.
+        self.model_dtype = getattr(torch, config.model.dtype)
+        self.compute_dtype = getattr(torch, self.cfg.param_dtype) if self.cfg.param_dtype else self.model_dtype
+        self._autocast = False
         if sharded:
             from scd.training.sharding import shard_model
 
             self.world_size = shard_model(self.model, policy, config.trainer)
+        else:
+            master = torch.float32 if self.cfg.master_dtype == "float32" else self.model_dtype
+            if master != torch.float32:
+                log.warning("trainer.master_dtype = \"model\": the optimizer updates %s weights; updates below "
+                            "their resolution are lost", config.model.dtype)
+            self.model.to(master)
+            self._autocast = self.compute_dtype != master
+            if self.cfg.activation_checkpointing:
+                from torch.distributed._composable import checkpoint
+
+                for layer in policy.decoder_layers(self.model):
+                    checkpoint(layer)
+            self.head = policy.output_head(self.model)
+            self.chunk_tokens = chunk_tokens_for(self.head.weight.shape[0], self.cfg.logprob_chunk_tokens)
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=self.cfg.lr, weight_decay=self.cfg.weight_decay
         )
@@ -87,9 +115,11 @@ class GRPOTrainer:
         return state_copy(self.model)
 
     def live_weights(self) -> dict[str, torch.Tensor]:
-        """The model's own tensors, where they live (no copy): what a weight sync sends.  Valid until the
-        next optimizer step; a generation backend that keeps them past the sync must copy them."""
-        return self.model.state_dict()
+        """What a weight sync sends: the model's own tensors where they live (no copy), or in ``model.dtype``
+        when the masters are kept in another.  Valid until the next optimizer step; a generation backend that
+        keeps them past the sync must copy them."""
+        state = self.model.state_dict()
+        return {name: t.to(self.model_dtype) if t.is_floating_point() else t for name, t in state.items()}
 
     def state_copy(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         """Weights and optimizer state copied to host memory, for a checkpoint written while training goes on.
@@ -102,11 +132,12 @@ class GRPOTrainer:
 
             return full_state(self.model, self.optimizer)
         optimizer = self.optimizer.state_dict()
-        return self.weights(), copy.deepcopy({
-            "state": {k: {n: t.to("cpu") if isinstance(t, torch.Tensor) else t for n, t in v.items()}
+        # Copied once, to host memory: the next step updates the live state in place.
+        return self.weights(), {
+            "state": {k: {n: t.to("cpu", copy=True) if isinstance(t, torch.Tensor) else t for n, t in v.items()}
                       for k, v in optimizer["state"].items()},
-            "param_groups": optimizer["param_groups"],
-        })
+            "param_groups": [{**group, "params": list(group["params"])} for group in optimizer["param_groups"]],
+        }
 
     def load_state(self, model: dict[str, torch.Tensor], optimizer: dict[str, Any]) -> None:
         """Weights and optimizer state as ``state_copy`` gave them (a restored bundle's), whole on every rank."""
@@ -135,6 +166,24 @@ class GRPOTrainer:
         metrics.trainer_rank_step_seconds.labels("fastest").set(share.seconds)
         return combine([share], [r.reward for g in groups for r in g])
 
+    def _token_logprobs(self, tokens: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each next token's logprob under the truncated sampling distribution, as generation drew from it
+        (scd.model.sampling), and the entropy there, ``[rows, length - 1]``; 0 outside the completions (``mask``).
+        A token outside the new weights' top-k / top-p set has logprob -inf: ratio 0, kept out of the gradient
+        by the clip."""
+        if self.sharded:
+            logp = self.sampling.logprobs(self.policy.logits(self.model, tokens))
+            # Prompt and padding positions, outside every completion, may be -inf: 0 there, as old_logp is.
+            new_logp = completion_logprobs(logp, tokens).masked_fill(mask == 0, 0.0)
+            with torch.set_grad_enabled(bool(self.cfg.entropy_coef)):
+                kept = logp[:, :-1]
+                entropy = -(kept.exp() * kept.masked_fill(kept.isinf(), 0.0)).sum(-1)
+            return new_logp, entropy
+        at = mask.bool()
+        hidden = self.policy.hidden(self.model, tokens)[:, :-1][at]
+        chosen, entropy = token_logprobs(hidden, tokens[:, 1:][at], self.head, self.sampling, self.chunk_tokens)
+        return torch.zeros_like(mask).masked_scatter(at, chosen), torch.zeros_like(mask).masked_scatter(at, entropy)
+
     def train_share(self, groups: Sequence[Sequence[Rollout]], weight_version: int, step_tokens: int) -> StepShare:
         """This rank's part of one step: the loss over its ``groups``, normalised by ``step_tokens`` (the
         whole step's, on every rank), so that gradients summed over ranks are world size 1's gradient."""
@@ -158,11 +207,8 @@ class GRPOTrainer:
         tokens, old_logp, mask = tokens.to(self.device), old_logp.to(self.device), mask.to(self.device)
         advantages = advantages.to(self.device)
         self.model.train()
-        # The truncated sampling distribution, as generation drew from it (scd.model.sampling): a token
-        # outside the new weights' top-k / top-p set has ratio 0, which the clip keeps out of the gradient.
-        logp = self.sampling.logprobs(self.policy.logits(self.model, tokens))
-        # Prompt and padding positions, outside every completion, may be -inf: 0 there, as old_logp is.
-        new_logp = completion_logprobs(logp, tokens).masked_fill(mask == 0, 0.0)
+        with torch.autocast(self.device.type, dtype=self.compute_dtype, enabled=self._autocast):
+            new_logp, token_entropy = self._token_logprobs(tokens, mask)
         ratio = torch.exp(new_logp - old_logp)
         adv = advantages.unsqueeze(1)
         clipped = torch.clamp(ratio, 1 - self.cfg.clip_eps, 1 + self.cfg.clip_eps)
@@ -172,12 +218,8 @@ class GRPOTrainer:
         # whole step's tokens adds up to the world-size-1 loss.
         policy_loss = (surrogate * mask).sum() / step_tokens
         loss = policy_loss
-        # Measured on every step (a logged 0 would read as a collapsed policy); in the graph only with a bonus.
-        with torch.set_grad_enabled(bool(self.cfg.entropy_coef)):
-            kept = logp[:, :-1]
-            # Truncated tokens have probability 0 and add nothing (0 x -inf would be NaN).
-            token_entropy = -(kept.exp() * kept.masked_fill(kept.isinf(), 0.0)).sum(-1)
-            entropy_sum = (token_entropy * mask).sum()
+        # Measured on every step (a logged 0 would read as a collapsed policy); in the loss only with a bonus.
+        entropy_sum = (token_entropy * mask).sum()
         if self.cfg.entropy_coef:
             loss = loss - self.cfg.entropy_coef * entropy_sum / step_tokens
 
