@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from scd.config import parse_config
-from scd.model.policy import build_policy
+from scd.model.policy import build_policy, state_copy
 from scd.model.sampling import Sampling
 from scd.records import Rollout
 from scd.training.grpo import GRPOTrainer
@@ -117,3 +117,22 @@ def test_activation_checkpointing_and_chunks_change_no_number(tiny_llama: Path, 
     for p, q in zip(plain.model.parameters(), lean.model.parameters(), strict=True):
         assert p.grad is not None and q.grad is not None
         assert torch.allclose(p.grad, q.grad, atol=1e-6, rtol=1e-4)
+
+
+def test_a_tied_embedding_is_copied_and_saved_once_and_restored_tied(tmp_path: Path) -> None:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    def tied() -> LlamaForCausalLM:
+        return LlamaForCausalLM(LlamaConfig(vocab_size=2048, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                            num_attention_heads=2, num_key_value_heads=2, tie_word_embeddings=True))
+
+    model = tied()
+    copied = state_copy(model)
+    assert copied["lm_head.weight"] is copied["model.embed_tokens.weight"]
+    torch.save(copied, tmp_path / "model.pt")
+    unique = sum(t.numel() * t.element_size() for t in {id(t): t for t in copied.values()}.values())
+    assert (tmp_path / "model.pt").stat().st_size <= 1.02 * unique
+    restored = tied()
+    restored.load_state_dict(torch.load(tmp_path / "model.pt", weights_only=True))
+    assert restored.lm_head.weight is restored.model.embed_tokens.weight
+    assert torch.equal(restored.lm_head.weight, model.lm_head.weight)

@@ -167,7 +167,9 @@ class Checkpointer:
             raise
         try:
             copy_started = time.monotonic()
-            trainer_state = self._trainer.capture_state()
+            # Off the loop: a large model's copy to host takes seconds, and /metrics, the watchdog and the
+            # pumps go on meanwhile (the train pump waits here, so nothing changes the state being copied).
+            trainer_state = await anyio.to_thread.run_sync(self._trainer.capture_state)
             phases[CheckpointPhase.STATE_COPY] = time.monotonic() - copy_started
             phases[CheckpointPhase.TRAIN_PUMP_BLOCKED] = copy_started - started
         except BaseException as exc:

@@ -233,5 +233,14 @@ def build_policy(config: ModelConfig, seed: int) -> TinyPolicy | HFPolicy:
 
 
 def state_copy(model: nn.Module) -> dict[str, torch.Tensor]:
-    """A detached host-memory copy of the weights, safe to hand to another thread."""
-    return {name: t.detach().to("cpu", copy=True) for name, t in model.state_dict().items()}
+    """A detached host-memory copy of the weights, safe to hand to another thread.  Tied tensors (an
+    embedding shared with the output head) are copied once and stay one tensor under both names: saved
+    once, and loaded back into the one parameter they share."""
+    copies: dict[tuple[int, int, torch.Size, torch.dtype], torch.Tensor] = {}
+    out = {}
+    for name, tensor in model.state_dict().items():
+        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tensor.shape, tensor.dtype)
+        if key not in copies:
+            copies[key] = tensor.detach().to("cpu", copy=True)
+        out[name] = copies[key]
+    return out
