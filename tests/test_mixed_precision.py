@@ -136,3 +136,16 @@ def test_a_tied_embedding_is_copied_and_saved_once_and_restored_tied(tmp_path: P
     restored.load_state_dict(torch.load(tmp_path / "model.pt", weights_only=True))
     assert restored.lm_head.weight is restored.model.embed_tokens.weight
     assert torch.equal(restored.lm_head.weight, model.lm_head.weight)
+
+
+def test_a_pure_bf16_state_restores_as_fp32_masters(tiny_llama: Path, tmp_path: Path) -> None:
+    """A bundle written before masters existed (bf16 weights and AdamW state) loads into a trainer with them."""
+    old = trainer_for(tiny_llama, tmp_path, dtype="bfloat16", lr=1e-3, master_dtype="model")
+    old.step(rows_for(old, 0), weight_version=0)
+    old.capture_state().write(tmp_path / "model.pt", tmp_path / "optimizer.pt")
+    new = trainer_for(tiny_llama, tmp_path, dtype="bfloat16", lr=1e-3)
+    new.load_state_files(tmp_path / "model.pt", tmp_path / "optimizer.pt")
+    for p, q in zip(old.model.parameters(), new.model.parameters(), strict=True):
+        assert q.dtype == torch.float32 and torch.equal(p.float(), q)
+    assert all(s["exp_avg"].dtype == torch.float32 for s in new.optimizer.state.values())
+    new.step(rows_for(new, 1), weight_version=1)  # and trains on
