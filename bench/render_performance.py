@@ -178,6 +178,23 @@ THROUGHPUT = Section(
             f"{num(s['reward_stage_completions_scored_per_s'])} completions scored/s, "
             f"{num(s['reward_stage_steps_per_s'])} steps/s: the reward is the bottleneck)",
             "reward_stage_loop_stall_p99_ms"),
+        Row("`trainer_capture_loop_stall_p99_ms`", "loop probe p99 while a 100M-parameter model's weights and "
+            "AdamW state are copied for a checkpoint in a worker thread, as the checkpointer does (3 copies). "
+            "`python -m bench.run trainer_memory`",
+            lambda s: f"{num(s['trainer_capture_loop_stall_p99_ms'])} (max "
+            f"{num(s['trainer_capture_loop_stall_max_ms'])}; the same copy on the loop: "
+            f"{num(s['trainer_capture_on_loop_ms'])} ms, {num(s['trainer_capture_parameters_m'])}M parameters)",
+            "trainer_capture_loop_stall_p99_ms"),
+        Row("`trainer_bundle_bytes_ratio`", "bytes the trainer's state files take ÷ unique parameter and "
+            "optimizer-state bytes, same model",
+            lambda s: num(s["trainer_bundle_bytes_ratio"]), "trainer_bundle_bytes_ratio"),
+        Row("`trainer_logprob_peak_rss_ratio`", "peak RSS a GRPO step over 16 rows × 1,024 tokens at vocab "
+            "32,000 adds (2-layer Llama, width 64), ÷ one fp32 logits tensor of the step (2,000 MiB); each mode "
+            "in a fresh process",
+            lambda s: f"{num(s['trainer_logprob_peak_rss_ratio'])} ({num(s['trainer_logprob_peak_rss_chunked_mb'])}"
+            f" MiB, chunks of {s['trainer_logprob_chunk_tokens']:.0f} tokens); full logits as before: "
+            f"{num(s['trainer_logprob_peak_rss_full_ratio'])} ({num(s['trainer_logprob_peak_rss_full_mb'])} MiB)",
+            "trainer_logprob_peak_rss_ratio"),
         Row("`commit_path_groups_per_s`", "groups/s through the real commit path into TQ, the scoring stage "
             "taken out (each group arrives scored); its group encoded on the event loop",
             lambda s: num(s["commit_path_groups_per_s"]), "commit_path_groups_per_s"),
