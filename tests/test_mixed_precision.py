@@ -149,3 +149,20 @@ def test_a_pure_bf16_state_restores_as_fp32_masters(tiny_llama: Path, tmp_path: 
         assert q.dtype == torch.float32 and torch.equal(p.float(), q)
     assert all(s["exp_avg"].dtype == torch.float32 for s in new.optimizer.state.values())
     new.step(rows_for(new, 1), weight_version=1)  # and trains on
+
+
+@pytest.mark.slow  # a subprocess
+def test_the_gpu_bench_runs_its_tiny_shape_on_the_cpu(tmp_path: Path) -> None:
+    """bench/gpu_trainer.py, which a GPU host runs with torch alone: its every section, on the CPU."""
+    import json
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    subprocess.run([sys.executable, str(REPO / "bench" / "gpu_trainer.py"), "--tiny", "--out", str(tmp_path)],
+                   cwd=tmp_path, check=True, timeout=300, capture_output=True)
+    tiny = json.loads((tmp_path / "gpu_trainer.json").read_text())["tiny"]
+    assert tiny["groups_fit"] >= 1 and tiny["step_s"] > 0 and tiny["tokens_per_s"] > 0
+    assert min(tiny["moved_at_lr_1e-6"].values()) > 0.99  # fp32 masters: a step at lr 1e-6 moves nearly all
+    assert tiny["state"]["bytes"] > 0 and tiny["state"]["restore_s"] > 0

@@ -107,8 +107,10 @@ class TorchBackend:
         logprobs = torch.empty(rows, 0)
         ended: list[FinishReason | None] = [None] * rows
         lengths = [max_tokens] * rows
+        head = self._policy.output_head(self._model)
         for step in range(max_tokens):
-            logp = self._sampling.logprobs(self._policy.logits(self._model, tokens)[:, -1])
+            # Only the last position is projected to the vocabulary: the one whose next token is drawn.
+            logp = self._sampling.logprobs(head(self._policy.hidden(self._model, tokens)[:, -1]).float())
             nxt = torch.multinomial(logp.exp(), 1, generator=self._rng)
             logprobs = torch.cat([logprobs, logp.gather(-1, nxt)], dim=1)
             tokens = torch.cat([tokens, nxt], dim=1)
