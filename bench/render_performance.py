@@ -354,6 +354,14 @@ def gpu_check_tables(checks: dict[str, Summary]) -> str:
     if "gpu_check_cuda.json" not in checks:
         lines += ["", "No CUDA result is committed: the CUDA paths (NCCL transfer, FSDP2 ranks with NCCL and "
                   "mixed precision) have not been measured."]
+    lines += ["", "**The trainer on one GPU** (`bench/gpu_trainer.py --out DIR`, torch and transformers only: the "
+              "largest `groups_per_step` that fits at the Qwen2.5-0.5B and 1.5B shapes, step time, MFU, peak "
+              "memory, elements one step at lr 1e-6 moves, state capture/write/restore against raw disk). "
+              + ("Its result: `bench/results/gpu_trainer.json`." if (RESULTS / "gpu_trainer.json").exists() else
+                 "**Unverified**: no GPU was at hand since fp32 masters, chunked logprobs and activation "
+                 "checkpointing at world size 1 landed; its `--tiny` CPU run is in the test suite. The figures "
+                 "measured before them (pure bf16, full logits: 5 and 3 groups fit at 0.5B and 1.5B, MFU 24.8% "
+                 "and 36.4%) are in `../shared/probes/gpu-trainer/README.md`.")]
     return "\n".join(lines)
 
 
