@@ -114,6 +114,10 @@ class RunIdentity(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     started_at: float  # wall-clock time of the run's first start: the trackers' time axis counts from it
     # Restarts that restored a bundle other than a clean exit's (a crash came before): the MTBF estimate.
     crash_restores: int = 0
+    # Seconds the run had run at the cut, each process's share by its own monotonic clock (a duration never
+    # comes from wall clocks of two processes); 0 in bundles before it was recorded, whose runs count from
+    # their next restore.
+    run_s: float = 0.0
 
 
 def new_run_identity() -> RunIdentity:

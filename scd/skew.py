@@ -29,7 +29,9 @@ class Fate(enum.StrEnum):
     TRAINED = "trained"
     DROPPED_STALE = "dropped_stale"  # a ready group the staleness window dropped while the run went on
     EVICTED = "evicted"  # a restored ready group that was already outside the window when the run came back
-    REDISPATCHED = "redispatched"  # an in-flight group generation gave back incomplete, sent again
+    # An in-flight group generation gave back incomplete, sent again; or one a clean exit (a drain) left in
+    # flight, dispatched again by the restore.
+    REDISPATCHED = "redispatched"
     # In flight in the restored cut: what generation had done for it since died with the process
     # (its staged siblings excepted); generated again.
     LOST_TO_CRASH = "lost_to_crash"

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import anyio
+import msgspec
 
 from scd.barrier import CheckpointBarrier, MutationKind
 from scd.dataloader import DataloaderState, PromptOrder
@@ -86,6 +87,8 @@ class Restored:
     shadow: bool
     fates: FateCounts
     run: RunIdentity | None  # None from a bundle that predates it: the run keeps a new identity
+    # The bundle is not a clean exit's (its trigger not final or shutdown): a crash came before this restore.
+    after_crash: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,6 +120,7 @@ class ControllerState:
         self.evicted_stale = 0
         self.fates = PromptFates(PromptBuckets.single(num_prompts))
         self.run = new_run_identity()
+        self._run_clock = time.monotonic()  # when this process's share of the run's seconds began
         self._rows = rows
 
     def statistics(self) -> StateStatistics:
@@ -263,8 +267,14 @@ class ControllerState:
             dataloader=DataloaderState(seed=dl.seed, epoch=dl.epoch, cursor=dl.cursor),
             groups=self.replay.groups(), ledger=self.ledger.copy(), sampler_name=self.sampler.name,
             sampler_state=self.sampler.state(), supports_replay_checkpoint=self.sampler.supports_replay_checkpoint,
-            replay_digest=self.replay.digest(), captured_at=time.time(), fates=self.fates.counts(), run=self.run,
+            replay_digest=self.replay.digest(), captured_at=time.time(), fates=self.fates.counts(),
+            run=msgspec.structs.replace(self.run, run_s=self.run_seconds()),
         )
+
+    def run_seconds(self) -> float:
+        """How long the logical run has run, across its processes: the restored cut's seconds, then this
+        process's monotonic clock since."""
+        return self.run.run_s + time.monotonic() - self._run_clock
 
     def install(self, restored: Restored) -> None:
         """Put a verified cut back; only before any mutation has run.
@@ -282,6 +292,7 @@ class ControllerState:
         self.replay = restored.index
         self.fates.load(restored.fates)
         self.run = restored.run or self.run
+        self._run_clock = time.monotonic()
         if restored.shadow:
             self.sampler.load_state({"dispatched": self.trainer_step * self.sampler.groups_per_step})
             for group_id in self.ledger.in_state(PromptState.READY):
@@ -298,6 +309,8 @@ class ControllerState:
                 self.ledger.retarget(group_id, target_step)
                 if group_id in self.replay:
                     self.replay.retarget(group_id, target_step)
+        # A clean exit's in-flight prompts were drained, not lost: they are dispatched again.
+        fate = Fate.LOST_TO_CRASH if restored.after_crash else Fate.REDISPATCHED
         for group_id in self.ledger.in_state(PromptState.IN_FLIGHT):
-            self.fates.count(self.ledger.entry(group_id).prompt_id, Fate.LOST_TO_CRASH)
+            self.fates.count(self.ledger.entry(group_id).prompt_id, fate)
 

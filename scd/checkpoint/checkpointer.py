@@ -84,7 +84,7 @@ class Checkpointer:
         self._to_writer, self._writer_in = anyio.create_memory_object_stream[PendingBundle](0)
         self._idle = anyio.Event()
         self._idle.set()
-        self.interval = CheckpointInterval(ckpt, lambda: state.run)
+        self.interval = CheckpointInterval(ckpt, lambda: state.run, state.run_seconds)
         self.interval.seconds()
         for outcome, reason in OUTCOME_REASONS:
             metrics.checkpoint_attempts.labels(outcome.value, reason)

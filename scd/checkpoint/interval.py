@@ -7,10 +7,12 @@ Daly 2006).  ``checkpointing.interval_s = "auto"`` applies it live:
 * C is what a checkpoint costs the run, not the writer's wall time: the train pump's wait (the
   cut and the trainer state's capture) plus the wait of the first admission or commit it held
   up (generation's loss: engines never pause), the median of the last ``RECENT`` checkpoints.
-* M is ``checkpointing.mtbf_s`` when set; else the run's own history: its age (from its first
-  start, across restarts) divided by the restarts that followed a crash, those that restored a
+* M is ``checkpointing.mtbf_s`` when set; else the run's own history: the seconds it has run (each
+  process's share by its own monotonic clock, carried in the cut: never a difference of two
+  processes' wall clocks) divided by the restarts that followed a crash, those that restored a
   bundle other than a clean exit's.  With no crash yet, M is unbounded and the interval
-  ``max_interval_s``.
+  ``max_interval_s``.  An estimate that is not positive falls to the clamps and is counted
+  (``scd_checkpoint_interval_fallbacks_total``).
 * The result is clamped to [``min_interval_s``, ``max_interval_s``]; before the first checkpoint
   has been measured it is ``min_interval_s`` (measure early).
 """
@@ -19,7 +21,6 @@ from __future__ import annotations
 
 import math
 import statistics
-import time
 from collections import deque
 from collections.abc import Callable
 
@@ -42,9 +43,11 @@ def young_daly(cost_s: float, mtbf_s: float) -> float:
 
 
 class CheckpointInterval:
-    def __init__(self, config: CheckpointingConfig, run: Callable[[], RunIdentity]) -> None:
+    def __init__(self, config: CheckpointingConfig, run: Callable[[], RunIdentity],
+                 run_seconds: Callable[[], float]) -> None:
         self._config = config
         self._run = run
+        self._run_seconds = run_seconds
         self._costs: deque[float] = deque(maxlen=RECENT)
 
     @property
@@ -61,8 +64,8 @@ class CheckpointInterval:
     def mtbf_s(self) -> float:
         if self._config.mtbf_s:
             return self._config.mtbf_s
-        run = self._run()
-        return (time.time() - run.started_at) / run.crash_restores if run.crash_restores else math.inf
+        crashes = self._run().crash_restores
+        return self._run_seconds() / crashes if crashes else math.inf
 
     def seconds(self) -> float:
         """The interval to wait now (published as ``scd_checkpoint_interval_seconds``)."""
@@ -70,8 +73,14 @@ class CheckpointInterval:
         if config.interval_s != "auto":
             interval = config.interval_s
         else:
-            cost = self.cost_s()
-            optimum = config.min_interval_s if cost is None else young_daly(cost, self.mtbf_s())
+            cost, mtbf = self.cost_s(), self.mtbf_s()
+            if cost is None:
+                optimum = config.min_interval_s
+            elif cost > 0 and mtbf > 0:
+                optimum = young_daly(cost, mtbf)
+            else:
+                metrics.checkpoint_interval_fallbacks.inc()
+                optimum = config.min_interval_s
             interval = min(max(optimum, config.min_interval_s), config.max_interval_s)
         metrics.checkpoint_interval.set(interval)
         return interval

@@ -215,10 +215,15 @@ def older_bundle_hint(bundle: Path, explicit: bool) -> str:
     return f"; {which} is {fallback}: restart with {flags}"
 
 
+def clean_exit(info: TrainingInfo) -> bool:
+    """The bundle is the last a run wrote as it exited cleanly (done, or drained)."""
+    return info.trigger in (Trigger.FINAL.value, Trigger.SHUTDOWN.value)
+
+
 def after_a_crash(info: TrainingInfo) -> RunIdentity:
     """The bundle's run, a crash restart counted unless the bundle is a clean exit's (its last)."""
     assert info.run is not None
-    if info.trigger in (Trigger.FINAL.value, Trigger.SHUTDOWN.value):
+    if clean_exit(info):
         return info.run
     return msgspec.structs.replace(info.run, crash_restores=info.run.crash_restores + 1)
 
@@ -286,7 +291,7 @@ async def restore_state(config: Config, parts: RestoreParts, restore_from: Path 
     state.install(Restored(
         step=info.step, weight_version=info.weight_version, dataloader=dataloader, index=index,
         ledger=verified.ledger, sampler_state=sidecar.sampler.state, shadow=shadow, fates=sidecar.prompt_fates,
-        run=after_a_crash(info) if info.run is not None else None,
+        run=after_a_crash(info) if info.run is not None else None, after_crash=not clean_exit(info),
     ))
     clock.lap(RestorePhase.LEDGER)
 

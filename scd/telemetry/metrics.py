@@ -152,6 +152,10 @@ work_at_risk_tokens = Gauge("scd_work_at_risk_tokens",
 work_at_risk_seconds = Gauge("scd_work_at_risk_seconds", "Age of the newest finalized bundle's cut")
 checkpoint_interval = Gauge("scd_checkpoint_interval_seconds",
                             "The checkpoint interval in force (interval_s = auto: the Young/Daly optimum)")
+checkpoint_interval_fallbacks = Counter(
+    "scd_checkpoint_interval_fallbacks",
+    "Young/Daly estimates that were not positive (no cost or no run time yet): the interval fell to its clamps",
+)
 checkpoint_effective_cadence = Gauge(
     "scd_checkpoint_effective_cadence_seconds", "Time between the last two completed checkpoints"
 )
