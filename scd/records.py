@@ -20,6 +20,14 @@ class FinishReason(enum.StrEnum):
 COMPLETE = frozenset({FinishReason.EOS, FinishReason.STOP, FinishReason.LENGTH})
 
 
+class WasteReason(enum.StrEnum):
+    """Why generated tokens were thrown away (``scd_generation_wasted_tokens_total{reason}``)."""
+
+    STALE_GROUP = "stale_group"  # a ready group evicted outside the staleness window
+    STALE_SIBLING = "stale_sibling"  # a finished sibling of an unfinished group, out of the window
+    ABORTED = "aborted"  # the partial output of a sibling generation aborted
+
+
 @dataclass(slots=True)
 class Completion:
     """One sibling as a backend returns it: tokens and their logprobs, never a score."""

@@ -39,7 +39,6 @@ module never reaches up: the pumps that wait on it are woken through the
 
 from __future__ import annotations
 
-import enum
 import logging
 import math
 import time
@@ -57,7 +56,7 @@ from scd.generation.base import GroupRequest, GroupResult
 from scd.ledger import PromptLedger, PromptState, StagedSiblings
 from scd.model.policy import Policy
 from scd.model.prompts import RenderedPrompt
-from scd.records import COMPLETE, Completion, PartialSibling, Prefix, Rollout
+from scd.records import COMPLETE, Completion, PartialSibling, Prefix, Rollout, WasteReason
 from scd.replay import GroupMeta, sample_ids_for
 from scd.rewards import Scored, Scorer
 from scd.samplers import Sampler, gates_dispatch
@@ -91,14 +90,6 @@ class SiblingsStale:
 # A finished group is a GroupResult asking for every sibling, its completions gathered across
 # attempts (and a restored cut) by sibling index.
 CommitItem = SiblingFinished | SiblingsStale | GroupResult
-
-
-class WasteReason(enum.StrEnum):
-    """Why generated tokens were thrown away (``scd_generation_wasted_tokens_total{reason}``)."""
-
-    STALE_GROUP = "stale_group"  # a ready group evicted outside the staleness window
-    STALE_SIBLING = "stale_sibling"  # a finished sibling of an unfinished group, out of the window
-    ABORTED = "aborted"  # the partial output of a sibling generation aborted
 
 
 @dataclass(frozen=True, slots=True)

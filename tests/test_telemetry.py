@@ -159,3 +159,21 @@ async def test_generated_tokens_move_while_a_checkpoint_holds_the_barrier(tmp_pa
         await controller.dataplane.clear_all()
     # Batches admitted before the cut kept generating, and the counter said so while the hold lasted.
     assert seen["after"] > seen["before"]
+
+
+@pytest.mark.slow  # a subprocess
+def test_every_known_label_has_a_sample_before_anything_happens() -> None:
+    """Issue 32, 6: a healthy run's ledger and waste panels showed "no data" until a first observation."""
+    import sys
+
+    from scd.ledger import PromptState
+    from scd.records import WasteReason
+    from tests.conftest import REPO
+
+    scraped = subprocess.run([sys.executable, "-c", "import scd.telemetry.metrics\nfrom prometheus_client import "
+                              "REGISTRY, generate_latest\nprint(generate_latest(REGISTRY).decode())"],
+                             cwd=REPO, capture_output=True, text=True, check=True, timeout=120).stdout
+    for state in PromptState:
+        assert f'scd_ledger_prompts{{state="{state}"}} 0.0' in scraped
+    for reason in WasteReason:
+        assert f'scd_generation_wasted_tokens_total{{reason="{reason}"}} 0.0' in scraped

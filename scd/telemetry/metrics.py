@@ -12,6 +12,8 @@ from prometheus_client import REGISTRY, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from scd.ledger import PromptState
+from scd.records import WasteReason
 from scd.skew import PromptFates
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
@@ -43,6 +45,9 @@ trainer_weight_export_seconds = Gauge(
 replay_groups = Gauge("scd_replay_groups", "Ready groups in the replay index")
 replay_rows = Gauge("scd_replay_rows", "Rows of ready groups in TransferQueue")
 ledger_prompts = Gauge("scd_ledger_prompts", "Prompts in the ledger by state", ["state"])
+# Every known label value has a sample from the first scrape: a healthy run's panels show 0, not "no data".
+for _state in PromptState:
+    ledger_prompts.labels(_state.value)
 groups_evicted_stale = Counter("scd_groups_evicted_stale", "Groups evicted outside the staleness window")
 train_reward_mean = Gauge("scd_train_reward_mean", "Mean reward of the last train step")
 train_staleness = Gauge("scd_train_staleness_versions", "Max weight-version lag in the last train step")
@@ -96,6 +101,8 @@ wasted_tokens = Counter(
     "scd_generation_wasted_tokens", "Generated tokens thrown away, by why (stale_group, stale_sibling, aborted)",
     ["reason"],
 )
+for _reason in WasteReason:
+    wasted_tokens.labels(_reason.value)
 trained_tokens = Counter("scd_trained_tokens", "Completion tokens of the groups trained")
 buffer_capacity_groups = Gauge(
     "scd_buffer_capacity_groups",
