@@ -117,6 +117,21 @@ def test_the_trainer_loads_the_state_it_copied(tmp_path: Path) -> None:
     assert fresh.optimizer.state_dict()["param_groups"] == trained.optimizer.state_dict()["param_groups"]
 
 
+def test_a_restored_optimizer_takes_the_configured_settings_and_says_which_changed(tmp_path: Path) -> None:
+    """Issue 32, 4: lr changed 1e-3 -> 5e-4 before a restart was silently ignored (the bundle's param_groups)."""
+    config = tiny_config(tmp_path, "no-tq-needed")
+    saved = GRPOTrainer(config, build_policy(config.model, config.run.seed))
+    saved.optimizer.step()
+    saved.capture_state().write(tmp_path / "model.pt", tmp_path / "optimizer.pt")
+    changed = tiny_config(tmp_path, "no-tq-needed", trainer={"lr": 5e-4, "weight_decay": 0.01})
+    restored = GRPOTrainer(changed, build_policy(changed.model, changed.run.seed))
+    changes = restored.load_state_files(tmp_path / "model.pt", tmp_path / "optimizer.pt")
+    assert changes == {"trainer.lr": [config.trainer.lr, 5e-4], "trainer.weight_decay": [0.0, 0.01]}
+    assert all(g["lr"] == 5e-4 and g["weight_decay"] == 0.01 for g in restored.optimizer.param_groups)
+    same = GRPOTrainer(config, build_policy(config.model, config.run.seed))
+    assert same.load_state_files(tmp_path / "model.pt", tmp_path / "optimizer.pt") == {}
+
+
 SHORT_RUNS = 60
 
 

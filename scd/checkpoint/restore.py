@@ -95,6 +95,8 @@ class RestoreReport:
     siblings_resumed: int = 0
     scores_reused: int = 0  # finished siblings kept with their score: never scored again
     scores_owed: int = 0  # finished siblings kept without one: scored by this run, not generated again
+    # Optimizer settings the config changed from the bundle's, [old, new] by key: the config's apply.
+    optimizer_changes: dict[str, list[float]] = field(default_factory=dict)
     phases: dict[str, float] = field(default_factory=dict)
 
 
@@ -263,8 +265,11 @@ async def restore_state(config: Config, parts: RestoreParts, restore_from: Path 
         await require_clean_data_plane(dataplane, bundle)
     clock.lap(RestorePhase.TQ)
 
-    await anyio.to_thread.run_sync(parts.trainer.load_state_files, bundle / layout.MODEL_FILE,
-                                   bundle / layout.OPTIMIZER_FILE)
+    optimizer_changes = await anyio.to_thread.run_sync(parts.trainer.load_state_files, bundle / layout.MODEL_FILE,
+                                                       bundle / layout.OPTIMIZER_FILE)
+    for key, (old, new) in optimizer_changes.items():
+        log.warning("restore: %s is %s in the config, %s in %s: the config's applies from now on", key, new, old,
+                    bundle)
     clock.lap(RestorePhase.POLICY_LOAD)
 
     if shadow:
@@ -314,7 +319,8 @@ async def restore_state(config: Config, parts: RestoreParts, restore_from: Path 
         siblings_rerun=siblings.siblings_rerun + (len(staged_in_bundle) if shadow else 0),
         stale_tokens=stale_tokens, prefix_tokens_reused=siblings.prefix_tokens_reused,
         prefix_tokens_dropped=siblings.prefix_tokens_dropped, siblings_resumed=siblings.siblings_resumed,
-        scores_reused=siblings.scores_reused, scores_owed=siblings.scores_owed, phases=clock.stop(),
+        scores_reused=siblings.scores_reused, scores_owed=siblings.scores_owed,
+        optimizer_changes=optimizer_changes, phases=clock.stop(),
     )
     await record_restore(report, parts.events)
     return report
@@ -360,6 +366,7 @@ async def record_restore(report: RestoreReport, events: EventLog) -> None:
         siblings_rerun=report.siblings_rerun, stale_tokens=report.stale_tokens,
         prefix_tokens_reused=report.prefix_tokens_reused, prefix_tokens_dropped=report.prefix_tokens_dropped,
         siblings_resumed=report.siblings_resumed, scores_reused=report.scores_reused, scores_owed=report.scores_owed,
+        optimizer_changes=report.optimizer_changes,
     ))
 
 

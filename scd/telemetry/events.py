@@ -49,6 +49,8 @@ class Restore(Event, tag="restore", kw_only=True):
     siblings_resumed: int
     scores_reused: int = 0  # finished siblings restored with their score: never scored again
     scores_owed: int = 0  # finished siblings restored without one: scored, not generated again
+    # Optimizer settings the config changed from the bundle's, [old, new] by key: the config's apply.
+    optimizer_changes: dict[str, list[float]] = msgspec.field(default_factory=dict)
 
 
 class Checkpoint(Event, tag="checkpoint", kw_only=True):

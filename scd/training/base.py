@@ -76,8 +76,9 @@ class Trainer(Protocol):
         for the caller: the next ``step`` starts after the capture, wherever the state lives."""
         ...
 
-    def load_state_files(self, model_path: Path, optimizer_path: Path) -> None:
-        """Load a bundle's weights and optimizer state (written at any world size); blocking."""
+    def load_state_files(self, model_path: Path, optimizer_path: Path) -> dict[str, list[float]]:
+        """Load a bundle's weights and optimizer state (written at any world size); blocking.  The configured
+        optimizer settings apply: returns each that differs from the bundle's, ``[old, new]``."""
         ...
 
     def live_weights(self) -> Mapping[str, torch.Tensor]:

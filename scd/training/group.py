@@ -170,11 +170,11 @@ def _rank_actor() -> Any:
             torch.save(model, model_path)
             torch.save(optimizer, optimizer_path)
 
-        def load(self, model_path: str, optimizer_path: str) -> None:
+        def load(self, model_path: str, optimizer_path: str) -> dict[str, list[float]]:
             import torch
 
-            self.trainer.load_state(torch.load(model_path, weights_only=True),
-                                    torch.load(optimizer_path, weights_only=True))
+            return self.trainer.load_state(torch.load(model_path, weights_only=True),
+                                           torch.load(optimizer_path, weights_only=True))
 
     return TrainerRank
 
@@ -264,9 +264,9 @@ class TrainerGroup:
     def capture_state(self) -> _GroupCapture:
         return _GroupCapture(self, [rank.capture.remote() for rank in self.ranks])
 
-    def load_state_files(self, model_path: Path, optimizer_path: Path) -> None:
-        self.wait_all([rank.load.remote(str(model_path), str(optimizer_path)) for rank in self.ranks],
-                      f"loading {model_path.parent}")
+    def load_state_files(self, model_path: Path, optimizer_path: Path) -> dict[str, list[float]]:
+        return self.wait_all([rank.load.remote(str(model_path), str(optimizer_path)) for rank in self.ranks],
+                             f"loading {model_path.parent}")[0]
 
     def live_weights(self) -> ChunkedWeights:
         self._export_s = 0.0

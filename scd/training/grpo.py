@@ -139,22 +139,34 @@ class GRPOTrainer:
             "param_groups": [{**group, "params": list(group["params"])} for group in optimizer["param_groups"]],
         }
 
-    def load_state(self, model: dict[str, torch.Tensor], optimizer: dict[str, Any]) -> None:
-        """Weights and optimizer state as ``state_copy`` gave them (a restored bundle's), whole on every rank."""
+    def load_state(self, model: dict[str, torch.Tensor], optimizer: dict[str, Any]) -> dict[str, list[float]]:
+        """Weights and optimizer state as ``state_copy`` gave them (a restored bundle's), whole on every rank.
+
+        The configured optimizer settings apply, not the bundle's (``optimizer.load_state_dict`` would bring
+        back its ``param_groups``): returns each that changed, ``[old, new]``."""
         if self.sharded:
             from scd.training.sharding import load_full_state
 
             load_full_state(self.model, self.optimizer, model, optimizer)
-            return
-        self.model.load_state_dict(model)
-        self.optimizer.load_state_dict(optimizer)
+        else:
+            self.model.load_state_dict(model)
+            self.optimizer.load_state_dict(optimizer)
+        configured = {"lr": self.cfg.lr, "weight_decay": self.cfg.weight_decay}
+        changes: dict[str, list[float]] = {}
+        for group in self.optimizer.param_groups:
+            for key, value in configured.items():
+                if group[key] != value:
+                    changes[f"trainer.{key}"] = [group[key], value]
+                    group[key] = value
+        return changes
 
     def capture_state(self) -> CopiedState:
         return CopiedState(*self.state_copy())
 
-    def load_state_files(self, model_path: Path, optimizer_path: Path) -> None:
+    def load_state_files(self, model_path: Path, optimizer_path: Path) -> dict[str, list[float]]:
         """``load_state`` from a bundle's files; blocking."""
-        self.load_state(torch.load(model_path, weights_only=True), torch.load(optimizer_path, weights_only=True))
+        return self.load_state(torch.load(model_path, weights_only=True),
+                               torch.load(optimizer_path, weights_only=True))
 
     def statistics(self) -> TrainerStatistics:
         return TrainerStatistics(world_size=1, last_export_s=0.0)
