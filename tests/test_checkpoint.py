@@ -115,6 +115,15 @@ async def test_restore_gives_back_every_row_tensor_for_tensor(golden: dict[str, 
     assert [layout.step_of(b) for b in layout.finalized_bundles(root)] == [3, 6, 8]
 
 
+def finished_over_budget(sidecar: dict[str, Any]) -> None:
+    """Issue 32, 2: a re-signed bundle with a finished sibling 200 tokens over its budget restored, then
+    training crashed.  Index 7 of an in-flight group that stages none there."""
+    entry = next(e for e in sidecar["ledger"]["entries"] if e[3] == "in_flight" and all(i != 7 for i, _ in e[6]))
+    sidecar["finished_siblings"] = [f for f in sidecar["finished_siblings"] if (f[0], f[1]) != (entry[0], 7)]
+    sidecar["sibling_scores"] = [s for s in sidecar["sibling_scores"] if (s[0], s[1]) != (entry[0], 7)]
+    sidecar["finished_siblings"].append([entry[0], 7, [5] * 204, [-1.0] * 204, 0, "length"])
+
+
 def score_of_no_sibling(sidecar: dict[str, Any], in_flight: bool) -> None:
     """A score the cut holds no finished sibling for: of a group not in flight, or of a version none has."""
     group_id = next((e[0] for e in sidecar["ledger"]["entries"] if e[3] == "in_flight"), "e0-p0") if in_flight \
@@ -182,6 +191,9 @@ BROKEN: list[tuple[str, Callable[[Path], None], str]] = [
      lambda b: edit_json(b, layout.SIDECAR_FILE, lambda d: d["finished_siblings"].append(
          [d["groups"][0]["group_id"], 0, [5], [-1.0], 6, "stop"])),
      "does not hold in flight"),
+    ("finished sibling over the budget",
+     lambda b: edit_json(b, layout.SIDECAR_FILE, finished_over_budget),
+     "holds 204 completion tokens, more than the 4 of generation.max_new_tokens"),
     # A score is part of the cut only beside its finished sibling, of the very version.
     ("score of a group not in flight",
      lambda b: edit_json(b, layout.SIDECAR_FILE, lambda d: score_of_no_sibling(d, in_flight=False)),

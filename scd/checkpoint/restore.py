@@ -35,6 +35,7 @@ from scd.checkpoint import layout
 from scd.checkpoint.verify import (
     BundleError,
     check_against_config,
+    check_finished_within_budget,
     legacy_replay_error,
     newest_verifying,
     read_metadata,
@@ -300,8 +301,10 @@ async def restore_state(config: Config, parts: RestoreParts, restore_from: Path 
     ))
     clock.lap(RestorePhase.LEDGER)
 
-    siblings = await parts.rollouts.restore(verified.rollouts, await read_staged_siblings(state, dataplane),
-                                            resumable=parts.generation.resumable, shadow=shadow)
+    staged = await read_staged_siblings(state, dataplane)
+    check_finished_within_budget(bundle, staged, config.generation.max_new_tokens)
+    siblings = await parts.rollouts.restore(verified.rollouts, staged, resumable=parts.generation.resumable,
+                                            shadow=shadow)
     clock.lap(RestorePhase.SIBLINGS)
     evicted = await parts.rollouts.evict_stale(at_restore=True)
     stale_tokens = siblings.stale_tokens + sum(group.completion_tokens for group in evicted)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NoReturn
@@ -230,6 +230,18 @@ def checked_rollouts_cut(bundle: Path, sidecar: Sidecar, ledger: PromptLedger, w
     return RolloutsCut(finished, prefixes, scores)
 
 
+def check_finished_within_budget(bundle: Path, finished: Mapping[str, Mapping[int, Completion]], budget: int) -> None:
+    """No finished sibling of the cut (listed in its sidecar, or staged and read back from TQ) is longer than
+    the completion budget (``generation.max_new_tokens``), which nothing would generate and training could
+    not take: exit 3 naming the group and both lengths."""
+    for group_id, siblings in finished.items():
+        for index, completion in siblings.items():
+            if len(completion.token_ids) > budget:
+                raise BundleError(bundle, f"finished sibling {index} of group {group_id} holds "
+                                          f"{len(completion.token_ids)} completion tokens, more than the "
+                                          f"{budget} of generation.max_new_tokens")
+
+
 def check_against_config(config: Config, state: ControllerState, verified: VerifiedBundle,
                          allow_config_change: bool) -> None:
     """A verified bundle against this run's config and sampler, before a restore loads anything."""
@@ -267,6 +279,7 @@ def check_against_config(config: Config, state: ControllerState, verified: Verif
     outside = [gid for gid, e in verified.ledger.entries().items() if any(i >= group_size for i, _ in e.staged)]
     if outside:
         refuse(f"stages siblings beyond generation.group_size = {group_size} (first: {outside[:3]})")
+    check_finished_within_budget(bundle, verified.rollouts.finished, config.generation.max_new_tokens)
     beyond = [gid for gid, e in verified.ledger.entries().items() if e.prompt_id >= state.order.num_prompts]
     if beyond:
         refuse(f"names prompts the task no longer has (task.path holds {state.order.num_prompts} prompts; "
