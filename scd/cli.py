@@ -131,7 +131,13 @@ def _parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     run = commands.add_parser("run", help="run the controller")
     run.add_argument("config", help="TOML config file")
-    run.add_argument("--max-steps", type=int, default=None, help="stop after N trainer steps")
+    run.add_argument("--max-steps", type=int, default=None,
+                     help="stop once the run has made N trainer steps in all (a restored run's steps count: "
+                          "not N more); default run.max_steps")
+    run.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                     help="set a config key over the file's (repeatable; VALUE read as TOML, else as text), "
+                          "checked as the file's keys are; the fingerprint records the result")
+    run.add_argument("--output-dir", type=Path, default=None, help="run.output_dir, over the file's")
     run.add_argument("--restore-from", type=Path, default=None,
                      help="restore this bundle instead of the newest finalized one")
     run.add_argument("--discard-newer", action="store_true",
@@ -191,7 +197,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             print(write_report(args.events, args.out))
             return EXIT_OK
-        config = load_config(args.config)
+        overrides = [*args.overrides, *([f"run.output_dir='{args.output_dir.resolve()}'"] if args.output_dir else [])]
+        config = load_config(args.config, overrides)
         # The rewards, a custom sampler, the trackers' packages and the device plan are checked here, before
         # Ray or any engine starts.
         resolve_rewards(config.task, Path(args.config).resolve().parent)

@@ -8,14 +8,16 @@ against the directory of the config file.
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import logging
 import math
 import os
 import re
 import tomllib
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import msgspec
 import orjson
@@ -404,6 +406,21 @@ def _key_of(message: str) -> str:
     return prefix or "<root>"
 
 
+def _nearest_key(key: str) -> str:
+    """``did you mean ...?`` for an unknown ``key``: the known key of its section (any section, for a
+    section of its own) it most resembles; "" when none is close."""
+    *sections, leaf = key.split(".")
+    struct: Any = Config
+    for section in sections:
+        fields = {f.name: f.type for f in msgspec.structs.fields(struct)}
+        struct = fields.get(section)
+        if not (isinstance(struct, type) and issubclass(struct, msgspec.Struct)):
+            return ""
+    known = [f.name for f in msgspec.structs.fields(struct)]
+    close = difflib.get_close_matches(leaf, known, n=1, cutoff=0.6)
+    return f"; did you mean {'.'.join([*sections, close[0]])!r}?" if close else ""
+
+
 # Keys that moved: a config that still sets one is told where it went.
 _MOVED_KEYS = {
     ("generation", "batch_groups"): "generation.torch.batch_groups",
@@ -437,7 +454,9 @@ def parse_config(data: dict[str, object], base_dir: Path) -> Config:
     try:
         config = msgspec.convert(data, Config, strict=True)
     except msgspec.ValidationError as exc:
-        raise ConfigError(_key_of(str(exc)), str(exc)) from None
+        key = _key_of(str(exc))
+        hint = _nearest_key(key) if _UNKNOWN_FIELD.search(str(exc)) else ""
+        raise ConfigError(key, f"{exc}{hint}") from None
     _resolve_paths(config, base_dir)
     validate(config)
     return config
@@ -452,7 +471,10 @@ def derive_config(path: Path, *layers: dict[str, dict[str, object]]) -> Config:
     return parse_config(data, path.resolve().parent)
 
 
-def load_config(path: str | Path) -> Config:
+def load_config(path: str | Path, overrides: Sequence[str] = ()) -> Config:
+    """The config file at ``path``, each ``section.key=value`` of ``overrides`` set over it (``scd run --set``):
+    the value is read as TOML (``3``, ``1e-4``, ``true``, ``"text"``, ``[1, 2]``), else taken as text.  The
+    result is validated as a whole, and its fingerprint records the values after overrides."""
     path = Path(path)
     try:
         data = tomllib.loads(path.read_text())
@@ -460,7 +482,26 @@ def load_config(path: str | Path) -> Config:
         raise ConfigError("<file>", f"config file {path} does not exist") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError("<file>", f"{path} is not valid TOML: {exc}") from None
+    for override in overrides:
+        _set_override(data, override)
     return parse_config(data, path.resolve().parent)
+
+
+def _set_override(data: dict[str, Any], override: str) -> None:
+    key, equals, text = override.partition("=")
+    *sections, leaf = key.strip().split(".")
+    if not equals or not sections or not all(sections) or not leaf:
+        raise ConfigError(key.strip() or "<--set>", f"--set {override!r}: give section.key=value")
+    try:
+        value = tomllib.loads(f"value = {text.strip()}")["value"]
+    except tomllib.TOMLDecodeError:
+        value = text.strip()
+    table = data
+    for section in sections:
+        table = table.setdefault(section, {})
+        if not isinstance(table, dict):
+            raise ConfigError(key, f"--set {override!r}: {section} is a value, not a section")
+    table[leaf] = value
 
 
 def _resolve(base_dir: Path, value: str) -> str:

@@ -147,3 +147,37 @@ def test_fingerprint_ignores_learning_rate_but_not_group_size(tmp_path: Path) ->
     assert parse_config({"run": {"output_dir": "elsewhere"}}, tmp_path).fingerprint() == default.fingerprint()
     assert parse_config({"generation": {"group_size": 4}}, tmp_path).fingerprint() != default.fingerprint()
     assert parse_config({"task": {"name": "sort"}}, tmp_path).fingerprint() != default.fingerprint()
+
+
+def test_set_overrides_a_files_keys_as_toml_values_and_the_fingerprint_records_them(tmp_path: Path) -> None:
+    path = tmp_path / "scd.toml"
+    path.write_text('[trainer]\nlr = 1e-3\n\n[task]\nname = "reverse"\n')
+    plain = load_config(path)
+    changed = load_config(path, ["trainer.lr=5e-4", 'task.name="sort"', "generation.stop=['x', 'y']",
+                                 "run.output_dir=elsewhere", "async_rl.sampler.max_staleness_versions=2"])
+    assert (changed.trainer.lr, changed.task.name, changed.generation.stop) == (5e-4, "sort", ["x", "y"])
+    assert changed.run.output_dir == str(tmp_path / "elsewhere")  # text, resolved as the file's would be
+    assert changed.async_rl.sampler.max_staleness_versions == 2
+    assert changed.fingerprint() != plain.fingerprint()
+    with pytest.raises(ConfigError) as wrong_type:
+        load_config(path, ["trainer.lr=fast"])
+    assert wrong_type.value.key == "trainer.lr"
+    with pytest.raises(ConfigError) as not_a_key:
+        load_config(path, ["trainer=1"])
+    assert "give section.key=value" in str(not_a_key.value)
+
+
+@pytest.mark.parametrize(("text", "key", "hint"), [
+    ("[trainer]\nlrr = 1e-3\n", "trainer.lrr", "did you mean 'trainer.lr'?"),
+    ("[async_rl.sampler]\nmax_stalenes_versions = 1\n", "async_rl.sampler.max_stalenes_versions",
+     "did you mean 'async_rl.sampler.max_staleness_versions'?"),
+    ("[trainr]\nlr = 1e-3\n", "trainr", "did you mean 'trainer'?"),
+    ("[trainer]\nzzz = 1\n", "trainer.zzz", None),
+])
+def test_an_unknown_key_suggests_the_nearest_known_one(tmp_path: Path, text: str, key: str, hint: str | None) -> None:
+    path = tmp_path / "scd.toml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as caught:
+        load_config(path)
+    assert caught.value.key == key
+    assert (hint in str(caught.value)) if hint else "did you mean" not in str(caught.value)
