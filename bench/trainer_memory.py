@@ -67,7 +67,7 @@ def _step_rise(mode: str, directory: Path) -> dict[str, float]:
             return (completion_logprobs(logp, tokens).masked_fill(mask == 0, 0.0),
                     -(kept.exp() * kept.masked_fill(kept.isinf(), 0.0)).sum(-1))
 
-        trainer._token_logprobs = full  # type: ignore[method-assign]
+        trainer.completion_token_logprobs = full  # type: ignore[method-assign]
 
     def rows(count: int) -> list[list[Rollout]]:
         made = [Rollout(torch.randint(4, VOCAB, (PROMPT + COMPLETION,)), torch.full((COMPLETION,), -10.0), PROMPT,

@@ -116,7 +116,7 @@ async def test_restore_gives_back_every_row_tensor_for_tensor(golden: dict[str, 
 
 
 def finished_over_budget(sidecar: dict[str, Any]) -> None:
-    """Issue 32, 2: a re-signed bundle with a finished sibling 200 tokens over its budget restored, then
+    """a re-signed bundle with a finished sibling 200 tokens over its budget restored, then
     training crashed.  Index 7 of an in-flight group that stages none there."""
     entry = next(e for e in sidecar["ledger"]["entries"] if e[3] == "in_flight" and all(i != 7 for i, _ in e[6]))
     sidecar["finished_siblings"] = [f for f in sidecar["finished_siblings"] if (f[0], f[1]) != (entry[0], 7)]
@@ -182,6 +182,10 @@ BROKEN: list[tuple[str, Callable[[Path], None], str]] = [
     ("no dataloader file",
      lambda b: ((b / layout.DATALOADER_FILE).unlink(), reseal(b)),
      "train_dataloader.json is not part of the bundle"),
+    # Refused against the config (the budget), not offline.
+    ("finished sibling over the budget",
+     lambda b: edit_json(b, layout.SIDECAR_FILE, finished_over_budget),
+     "holds 204 completion tokens, more than the 4 of generation.max_new_tokens"),
     # Re-signed (marker recomputed): step and weight_version advance together from 0.
     ("step and weight_version disagree",
      lambda b: edit_json(b, layout.TRAINING_INFO_FILE, lambda d: d.update(weight_version=d["weight_version"] + 1)),
@@ -191,9 +195,6 @@ BROKEN: list[tuple[str, Callable[[Path], None], str]] = [
      lambda b: edit_json(b, layout.SIDECAR_FILE, lambda d: d["finished_siblings"].append(
          [d["groups"][0]["group_id"], 0, [5], [-1.0], 6, "stop"])),
      "does not hold in flight"),
-    ("finished sibling over the budget",
-     lambda b: edit_json(b, layout.SIDECAR_FILE, finished_over_budget),
-     "holds 204 completion tokens, more than the 4 of generation.max_new_tokens"),
     # A score is part of the cut only beside its finished sibling, of the very version.
     ("score of a group not in flight",
      lambda b: edit_json(b, layout.SIDECAR_FILE, lambda d: score_of_no_sibling(d, in_flight=False)),

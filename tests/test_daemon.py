@@ -118,7 +118,7 @@ def test_the_trainer_loads_the_state_it_copied(tmp_path: Path) -> None:
 
 
 def test_a_restored_optimizer_takes_the_configured_settings_and_says_which_changed(tmp_path: Path) -> None:
-    """Issue 32, 4: lr changed 1e-3 -> 5e-4 before a restart was silently ignored (the bundle's param_groups)."""
+    """lr changed 1e-3 -> 5e-4 before a restart was silently ignored (the bundle's param_groups)."""
     config = tiny_config(tmp_path, "no-tq-needed")
     saved = GRPOTrainer(config, build_policy(config.model, config.run.seed))
     saved.optimizer.step()

@@ -52,7 +52,7 @@ def rows_for(trainer: GRPOTrainer, seed: int, groups: int = 2, size: int = 4, pr
         group = []
         for index in range(size):
             ids = torch.randint(4, vocab, (prompt + completion,), generator=generator)
-            with torch.no_grad(), torch.autocast("cpu", dtype=trainer.compute_dtype, enabled=trainer._autocast):
+            with torch.no_grad(), trainer.computing():
                 hidden = trainer.policy.hidden(trainer.model, ids[None])[0, prompt - 1:-1]
                 logprobs, _ = full_token_logprobs(hidden, ids[prompt:], trainer.head, trainer.sampling)
             group.append(Rollout(ids, logprobs.float(), prompt, reward=float(index % 2), weight_version=0))

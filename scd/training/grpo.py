@@ -178,7 +178,12 @@ class GRPOTrainer:
         metrics.trainer_rank_step_seconds.labels("fastest").set(share.seconds)
         return combine([share], [r.reward for g in groups for r in g])
 
-    def _token_logprobs(self, tokens: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def computing(self) -> torch.autocast:
+        """The context the model computes in: autocast to the compute dtype over fp32 masters."""
+        return torch.autocast(self.device.type, dtype=self.compute_dtype, enabled=self._autocast)
+
+    def completion_token_logprobs(self, tokens: torch.Tensor,
+                                  mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each next token's logprob under the truncated sampling distribution, as generation drew from it
         (scd.model.sampling), and the entropy there, ``[rows, length - 1]``; 0 outside the completions (``mask``).
         A token outside the new weights' top-k / top-p set has logprob -inf: ratio 0, kept out of the gradient
@@ -219,8 +224,8 @@ class GRPOTrainer:
         tokens, old_logp, mask = tokens.to(self.device), old_logp.to(self.device), mask.to(self.device)
         advantages = advantages.to(self.device)
         self.model.train()
-        with torch.autocast(self.device.type, dtype=self.compute_dtype, enabled=self._autocast):
-            new_logp, token_entropy = self._token_logprobs(tokens, mask)
+        with self.computing():
+            new_logp, token_entropy = self.completion_token_logprobs(tokens, mask)
         ratio = torch.exp(new_logp - old_logp)
         adv = advantages.unsqueeze(1)
         clipped = torch.clamp(ratio, 1 - self.cfg.clip_eps, 1 + self.cfg.clip_eps)
