@@ -81,7 +81,12 @@ def session_ray(tq_session: None) -> str:
     """
     import ray
 
-    return ray.get_runtime_context().gcs_address
+    SESSION_RAY["address"] = ray.get_runtime_context().gcs_address
+    return SESSION_RAY["address"]
+
+
+# This worker's Ray, once a test asked for it (``session_ray``).
+SESSION_RAY: dict[str, str] = {}
 
 
 def clear_session_tq() -> None:
@@ -165,9 +170,10 @@ class ScdProcess:
     """A real `scd run` subprocess; stopped by pid only (never by name)."""
 
     def __init__(self, config: Path, *args: str, env: dict[str, str] | None = None) -> None:
-        # A run that joined the session's Ray leaves its rows in the session's TQ when it ends.
-        self.joined_session_tq = bool(tomllib.loads(config.read_text()).get("data_plane", {}).get("ray", {})
-                                      .get("address"))
+        # A run that joined the session's Ray leaves its rows in the session's TQ when it ends (a run that
+        # joined another cluster, its own).
+        address = tomllib.loads(config.read_text()).get("data_plane", {}).get("ray", {}).get("address")
+        self.joined_session_tq = bool(address) and address == SESSION_RAY.get("address")
         self.log_path = config.parent / f"scd-{uuid.uuid4().hex[:6]}.log"
         self._log = self.log_path.open("wb")
         self.proc = subprocess.Popen(

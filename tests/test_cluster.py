@@ -69,11 +69,16 @@ def start_events(directory: Path) -> list[dict[str, Any]]:
 
 
 def run_until_a_bundle(cluster: Any, directory: Path, scd_processes: list[ScdProcess]) -> tuple[Path, ScdProcess]:
-    """A `scd run` that joined the cluster and has finalized a bundle; its config."""
+    """A `scd run` that joined the cluster and has finalized a bundle past step 0 (the interval's first
+    checkpoint may come before the first step); its config."""
     config = cluster_config(directory, cluster.address)
     process = ScdProcess(config)
     scd_processes.append(process)
-    process.wait_for_line("checkpoint step_", timeout=180)
+    process.wait_for_line("step 1 version", timeout=180)
+    deadline = time.monotonic() + 180
+    while not any((layout.step_of(b) or 0) > 0 for b in layout.finalized_bundles(directory / "out" / "checkpoints")):
+        assert time.monotonic() < deadline and process.proc.poll() is None, process.output()[-3000:]
+        time.sleep(0.2)
     return config, process
 
 

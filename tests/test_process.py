@@ -6,6 +6,7 @@ import contextlib
 import os
 import signal
 import socket
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -70,9 +71,20 @@ def test_sigterm_drains_and_exits_zero_with_sd_notify(
     tmp_path: Path, scd_processes: list[ScdProcess], session_ray: str
 ) -> None:
     notify_path = tmp_path / "notify.sock"
+    messages: list[str] = []
     with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as notify:
         notify.bind(str(notify_path))
         notify.settimeout(0.1)
+        listening = threading.Event()
+        listening.set()
+
+        def listen() -> None:  # as systemd does, all along
+            while listening.is_set():
+                with contextlib.suppress(TimeoutError):
+                    messages.append(notify.recv(256).decode())
+
+        listener = threading.Thread(target=listen, daemon=True)
+        listener.start()
         scd = ScdProcess(write_config(tmp_path, ray_address=session_ray, max_steps=100_000),
                          env={"NOTIFY_SOCKET": str(notify_path), "WATCHDOG_USEC": "400000"})
         scd_processes.append(scd)
@@ -82,10 +94,9 @@ def test_sigterm_drains_and_exits_zero_with_sd_notify(
         scd.signal(signal.SIGTERM)
         assert scd.wait(timeout=60) == 0, scd.output()[-3000:]
         assert time.monotonic() - sent < 30
-        messages = []
-        with contextlib.suppress(TimeoutError):
-            while True:
-                messages.append(notify.recv(256).decode())
+        time.sleep(0.3)
+        listening.clear()
+        listener.join(timeout=5)
     assert "shutdown requested" in scd.output()
     assert messages[0] == "READY=1"
     assert messages.count("WATCHDOG=1") >= 2

@@ -9,7 +9,6 @@ from __future__ import annotations
 import signal
 import time
 from collections.abc import Callable
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -47,8 +46,7 @@ def in_flight_staged(controller: Controller) -> dict[str, tuple[tuple[int, int],
             if ledger.entry(gid).staged}
 
 
-async def crash_mid_generation_and_resume(config: Any, backend: GenerationBackend | None = None,
-                                          max_tokens: int | None = None) -> int:
+async def crash_mid_generation_and_resume(config: Any, backend: GenerationBackend | None = None) -> int:
     """Generate 4 groups until some siblings are staged, checkpoint while generation goes on, then
     cut generation off as a crash would.  A fresh controller restores the bundle: its staged
     siblings come back whole, only the missing ones are generated, and each group commits with the
@@ -60,8 +58,6 @@ async def crash_mid_generation_and_resume(config: Any, backend: GenerationBacken
         config, checkpointing=msgspec.structs.replace(config.checkpointing, capture_prefixes=False))
     async with Controller.open(config, backend) as controller:
         requests = [await controller.rollouts.admit() for _ in range(4)]
-        if max_tokens is not None:
-            requests = [replace(r, max_tokens=max_tokens) for r in requests]
         async with anyio.create_task_group() as tg:
             await tg.start(controller.rollouts.scorer)
             await tg.start(controller.rollouts.committer)

@@ -180,9 +180,10 @@ async def test_an_aborted_group_is_never_committed_and_goes_back_to_dispatch(
 async def test_siblings_finished_before_a_crash_are_reused_on_vllm(
         engine: VLLMBackend, tiny_llama: Path, tmp_path: Path, partition: str) -> None:
     """Groups caught mid-generation on vLLM: siblings end at their own EOS and are staged as they do."""
-    config = vllm_config(tiny_llama, tmp_path / "out", partition,
+    # A budget long enough that siblings end at their own EOS, each at its own time.
+    config = vllm_config(tiny_llama, tmp_path / "out", partition, generation={"max_new_tokens": 48},
                          checkpointing={"enabled": True, "dir": str(tmp_path / "checkpoints"), "interval_s": 3600})
-    reused = await crash_mid_generation_and_resume(config, engine, max_tokens=48)
+    reused = await crash_mid_generation_and_resume(config, engine)
     print(f"vLLM sibling recovery: {reused} staged siblings reused, none generated again")
 
 
