@@ -279,7 +279,7 @@ def test_vllm_with_two_trainer_ranks_checkpoints_is_killed_restores_and_trains_o
     first = ScdProcess(config)
     scd_processes.append(first)
     first.wait_for_line("step 3 ", timeout=300)
-    for _ in range(5):  # until a bundle holds part-way completions
+    for _ in range(15):  # until a bundle holds part-way completions (a cut may find none: try again)
         before = set(layout.finalized_bundles(root))
         first.signal(signal.SIGUSR1)
         deadline = time.monotonic() + 120
