@@ -276,8 +276,12 @@ class WandbConfig(_Section):
 
 
 class MlflowConfig(_Section):
-    # "" = a local file store under run.output_dir (file://<output_dir>/mlruns).
+    # "" = a SQLite store under run.output_dir (sqlite:///<output_dir>/mlflow.db), what MLflow supports without
+    # an opt-out; a file: URI is MLflow's deprecated file store, kept as an explicit choice.
     tracking_uri: str = ""
+    # Where a new experiment keeps its artifacts (the completions tables); "" = <output_dir>/mlartifacts with the
+    # default store, else the store's own default.
+    artifact_location: str = ""
     experiment: str = "scd"
 
 
@@ -522,7 +526,9 @@ def _resolve_paths(config: Config, base_dir: Path) -> None:
     tel = config.telemetry
     tel.tensorboard.dir = _resolve(out, tel.tensorboard.dir)
     tel.wandb.dir = _resolve(out, tel.wandb.dir)
-    tel.mlflow.tracking_uri = tel.mlflow.tracking_uri or (out / "mlruns").resolve().as_uri()
+    if not tel.mlflow.tracking_uri:
+        tel.mlflow.tracking_uri = f"sqlite:///{(out / 'mlflow.db').resolve()}"
+        tel.mlflow.artifact_location = tel.mlflow.artifact_location or (out / "mlartifacts").resolve().as_uri()
 
 
 def _require(ok: bool, key: str, message: str) -> None:
@@ -596,11 +602,6 @@ def validate(config: Config) -> None:
     _require(tr.placement_timeout_s > 0, "trainer.placement_timeout_s", "must be > 0")
     _require(all(v > 0 for v in tr.resources_per_rank.values()), "trainer.resources_per_rank",
              f"every amount must be > 0, got {tr.resources_per_rank}")
-    cuda = tr.device.startswith("cuda")
-    for key, value in (("trainer.param_dtype", tr.param_dtype), ("trainer.reduce_dtype", tr.reduce_dtype)):
-        _require(not value or cuda or tr.world_size == 1, key,
-                 "FSDP2's mixed-precision policy needs CUDA ranks (trainer.device = cuda); in scd's own process "
-                 "(trainer.world_size = 1) it works on the CPU too")
     _require(tr.logprob_chunk_tokens >= 0, "trainer.logprob_chunk_tokens",
              f"must be >= 0 (0 = sized for the vocabulary), got {tr.logprob_chunk_tokens}")
     _require(sampler.name in ("windowed", "weight_fifo", "in_order") or ":" in sampler.name,

@@ -41,6 +41,9 @@ def shared_fixture_group(item: pytest.Item) -> str | None:
     return SHARED_FIXTURE_GROUPS.get(module.__name__.rsplit(".", 1)[-1]) if module else None
 
 
+# First, before xdist's own hook turns each `xdist_group` mark into a suffix of the test's id: marks added
+# after it group nothing.
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         group = shared_fixture_group(item)
@@ -51,6 +54,19 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     # vLLM's group is the longest unit of work: handed out first, it runs beside everything else instead of
     # after it (a stable sort keeps every other test in file order; every worker sorts alike).
     items.sort(key=lambda item: shared_fixture_group(item) != "vllm")
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """On an xdist worker under ``--dist loadgroup``: every grouped test's id carries its group, or the groups
+    are not in effect (until 2026-12-05 they were not: pytest 9.2 ignores the id xdist 3.8 rewrites, and
+    the marks came after xdist's hook; vLLM's tests ran on both workers at once)."""
+    if not getattr(session.config.option, "loadgroup", False):
+        return
+    ungrouped = [item.nodeid for item in session.items
+                 if shared_fixture_group(item) and not item.nodeid.endswith(f"@{shared_fixture_group(item)}")]
+    if ungrouped:
+        raise pytest.UsageError(f"--dist loadgroup did not group {len(ungrouped)} tests, e.g. {ungrouped[0]}: "
+                                "is pytest newer than pytest-xdist supports?")
 
 
 @pytest.fixture(scope="session")

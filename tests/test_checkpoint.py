@@ -220,7 +220,25 @@ def swap_sample_ids(bundle: Path) -> None:
     edit_json(bundle, layout.SIDECAR_FILE, edit)
 
 
-@pytest.mark.parametrize(("name", "breaker", "message"), BROKEN, ids=[b[0] for b in BROKEN])
+def _flip_last_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+# The trainer state's files are hashed while the trainer loads them: a mismatch is refused all the same, also
+# where the damage makes the load itself fail first.
+POLICY_BROKEN: list[tuple[str, Callable[[Path], None], str]] = [
+    ("flipped byte in model.pt", lambda b: _flip_last_byte(b / layout.MODEL_FILE),
+     f"{layout.MODEL_FILE} does not match its BLAKE3 digest"),
+    ("truncated optimizer.pt",
+     lambda b: (b / layout.OPTIMIZER_FILE).write_bytes((b / layout.OPTIMIZER_FILE).read_bytes()[:100]),
+     f"{layout.OPTIMIZER_FILE} does not match its BLAKE3 digest"),
+]
+
+
+@pytest.mark.parametrize(("name", "breaker", "message"), BROKEN + POLICY_BROKEN,
+                         ids=[b[0] for b in BROKEN + POLICY_BROKEN])
 async def test_broken_bundle_is_refused_and_left_untouched(golden: dict[str, Any], tmp_path: Path, name: str,
                                                            breaker: Callable[[Path], None], message: str) -> None:
     root = copy_bundles(golden, tmp_path)
@@ -482,8 +500,8 @@ async def test_io_failures_are_retried_then_stop_the_daemon_leaving_bundles_inta
     assert not layout.leftover_tmp_dirs(root)
 
 
-@pytest.mark.parametrize(("name", "breaker", "message"), BROKEN[:3] + BROKEN[6:10] + BROKEN[-4:], ids=[
-    b[0] for b in BROKEN[:3] + BROKEN[6:10] + BROKEN[-4:]])
+@pytest.mark.parametrize(("name", "breaker", "message"), BROKEN[:3] + BROKEN[6:10] + BROKEN[-4:] + POLICY_BROKEN[:1],
+                         ids=[b[0] for b in BROKEN[:3] + BROKEN[6:10] + BROKEN[-4:] + POLICY_BROKEN[:1]])
 def test_scd_checkpoint_verify_rejects_offline(golden: dict[str, Any], tmp_path: Path, name: str,
                                                breaker: Callable[[Path], None], message: str) -> None:
     root = copy_bundles(golden, tmp_path)

@@ -163,11 +163,11 @@ def test_a_dead_storage_node_stops_scd_with_exit_1_naming_it(
     """Last in this module: it takes the worker node down."""
     _, victim = run_until_a_bundle(cluster, tmp_path, scd_processes)
     root = tmp_path / "out" / "checkpoints"
-    bundles = {b: layout.bundle_files(b) for b in layout.finalized_bundles(root)}
+    bundles = {b: layout.bundle_files(b, {}) for b in layout.finalized_bundles(root)}
     cluster.remove_node(cluster.worker, allow_graceful=False)  # this module's node: its processes only
     assert victim.wait(timeout=120) == 1, victim.output()[-3000:]
     out = victim.output()
     assert "timed out" in out and WORKER_IP in out, out[-3000:]
     for bundle, files in bundles.items():
-        assert layout.bundle_files(bundle) == files  # finalized bundles untouched
+        assert layout.bundle_files(bundle, {}) == files  # finalized bundles untouched
         verify_bundle(bundle)

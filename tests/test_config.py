@@ -31,7 +31,6 @@ BAD_CONFIGS = [
     ("[generation]\nbatch_groups = 4\n", "generation.batch_groups"),
     ("[trainer]\nworld_size = 0\n", "trainer.world_size"),
     ("[trainer]\nworld_size = 4\ngroups_per_step = 2\n[data_plane.ray]\nnum_cpus = 8\n", "trainer.groups_per_step"),
-    ("[trainer]\nworld_size = 2\nparam_dtype = 'bfloat16'\n[data_plane.ray]\nnum_cpus = 5\n", "trainer.param_dtype"),
     ("[trainer]\nlogprob_chunk_tokens = -1\n", "trainer.logprob_chunk_tokens"),
     ("[trainer]\nmaster_dtype = 'float16'\n", "trainer.master_dtype"),
     ("[trainer]\nresources_per_rank = {CPU = 0}\n", "trainer.resources_per_rank"),

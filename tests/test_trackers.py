@@ -110,10 +110,20 @@ def wandb_history(run_dir: Path) -> tuple[str, list[dict[str, Any]]]:
 
 
 def mlflow_client(out: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """A user's own reader of scd's default store: no opt-out of anything deprecated."""
     from mlflow.tracking import MlflowClient
 
-    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
-    return MlflowClient(tracking_uri=(out / "mlruns").resolve().as_uri())
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
+    return MlflowClient(tracking_uri=f"sqlite:///{(out / 'mlflow.db').resolve()}")
+
+
+def tracker_mark(out: Path, name: str) -> int:
+    """The newest step a tracker's process has marked as logged (its ``StepMark`` file), 0 before any."""
+    try:
+        lines = (out / "trackers" / f"{name}.jsonl").read_bytes().splitlines()
+    except FileNotFoundError:
+        return 0
+    return max((orjson.loads(line)["step"] for line in lines if line.endswith(b"}")), default=0)
 
 
 def strictly_increasing(values: list[float]) -> bool:
@@ -143,12 +153,14 @@ def test_every_tracker_shows_one_run_across_a_sigkill_and_restore(
     assert k is not None
     # Steps past the bundle reach the trackers, then die with the process: the restore trains them again.
     first.wait_for_line(f"step {k + 5} version")
-    # The trackers run at a lower priority and may lag on a loaded box: kill only once W&B's file (the last
-    # to write, through its own service) holds a step past the bundle.
+    # The trackers run at a lower priority and may lag on a loaded box: kill only once every tracker has logged
+    # a step past the bundle (its mark is past k + 1: marks advance just before their step is logged) and W&B's
+    # file (the last to write, through its own service) holds one.
     deadline = time.monotonic() + 120
-    while not any(row.get("trainer/step", 0) > k for run_file in (out / "wandb").glob("offline-run-*/run-*.wandb")
-                  for row in wandb_history(run_file.parent)[1]):
-        assert time.monotonic() < deadline, "W&B never logged a step past the bundle"
+    while not (all(tracker_mark(out, name) > k + 1 for name in ("tensorboard", "wandb", "mlflow")) and any(
+            row.get("trainer/step", 0) > k for run_file in (out / "wandb").glob("offline-run-*/run-*.wandb")
+            for row in wandb_history(run_file.parent)[1])):
+        assert time.monotonic() < deadline, "a tracker never logged a step past the bundle"
         time.sleep(0.5)
     first.kill_group()
     run = decode(bundle / layout.TRAINING_INFO_FILE, TrainingInfo).run
@@ -240,7 +252,10 @@ def test_every_tracker_shows_one_run_across_a_sigkill_and_restore(
 
 async def test_a_tracker_that_raises_is_disabled_once_and_training_goes_on(
         tmp_path: Path, partition: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
-    config = tiny_config(tmp_path, partition, telemetry={"trackers": ["tensorboard", "mlflow"]})
+    # MLflow's deprecated file store, chosen explicitly, still works: scd opts its tracker's process in.
+    file_store = (tmp_path / "mlruns").resolve().as_uri()
+    config = tiny_config(tmp_path, partition, telemetry={"trackers": ["tensorboard", "mlflow"],
+                                                         "mlflow": {"tracking_uri": file_store}})
     errors = counter("scd_tracker_errors_total", tracker="tensorboard")
     # The tracker's process is given the armed spec: TensorBoard's third log call raises there.
     with caplog.at_level(logging.WARNING, logger="scd.telemetry.tracker_hub"), faults.armed("tensorboard_log:3=fail"):
@@ -252,7 +267,10 @@ async def test_a_tracker_that_raises_is_disabled_once_and_training_goes_on(
     assert len(warnings) == 1 and "SCD_FAULT at tensorboard_log" in warnings[0].getMessage()
     assert "tensorboard" in warnings[0].getMessage()
     # The other tracker went on.
-    client = mlflow_client(tmp_path / "out", monkeypatch)
+    from mlflow.tracking import MlflowClient
+
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    client = MlflowClient(tracking_uri=file_store)
     (mlflow_run,) = client.search_runs([client.get_experiment_by_name("scd").experiment_id])
     assert [m.step for m in client.get_metric_history(mlflow_run.info.run_id, "train/loss")] == [1, 2, 3, 4, 5, 6]
 
@@ -323,7 +341,8 @@ def test_tracker_settings_are_checked_naming_the_key(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"task\.bucket_field"):
         derive_config(base, {"task": {"bucket_field": "difficulty"}})
     config = derive_config(base, {"run": {"output_dir": str(tmp_path)}})
-    assert config.telemetry.mlflow.tracking_uri == tmp_path.resolve().joinpath("mlruns").as_uri()
+    assert config.telemetry.mlflow.tracking_uri == f"sqlite:///{tmp_path.resolve() / 'mlflow.db'}"
+    assert config.telemetry.mlflow.artifact_location == tmp_path.resolve().joinpath("mlartifacts").as_uri()
     assert config.telemetry.tensorboard.dir == str(tmp_path / "tensorboard")
 
 

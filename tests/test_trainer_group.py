@@ -123,6 +123,33 @@ async def test_two_ranks_train_exactly_as_one_and_their_state_moves_between_worl
         await anyio.to_thread.run_sync(assert_close, weights_of(one.model), two.live_weights())
 
 
+async def test_bf16_ranks_keep_fp32_masters_that_all_move_at_lr_1e_6_and_export_bf16(
+        tmp_path: Path, tq_session: None, tiny_llama: Path) -> None:
+    """Mixed precision on ranks as in scd's process: FSDP computes in ``model.dtype`` over fp32 masters."""
+    config = tiny_config(tmp_path, "unused", trainer={"groups_per_step": GROUPS, "world_size": 2, "lr": 1e-6},
+                         model={"name": str(tiny_llama), "dtype": "bfloat16"}, data_plane={"ray": {"num_cpus": 5}})
+
+    async def saved_state(name: str) -> tuple[dict[str, torch.Tensor], dict]:
+        directory = tmp_path / name
+        directory.mkdir()
+        capture = two.capture_state()
+        await anyio.to_thread.run_sync(capture.write, directory / "model.pt", directory / "optimizer.pt")
+        return (torch.load(directory / "model.pt", weights_only=True),
+                torch.load(directory / "optimizer.pt", weights_only=True))
+
+    async with TrainerGroup.open(config) as two:
+        before, _ = await saved_state("before")
+        assert {t.dtype for t in before.values()} == {torch.float32}
+        await anyio.to_thread.run_sync(two.step, batch(0), 1)
+        after, optimizer = await saved_state("after")
+        still = [name for name, tensor in after.items() if torch.equal(tensor, before[name])]
+        assert not still, f"unchanged after a step at lr 1e-6: {still}"
+        assert {t.dtype for s in optimizer["state"].values() for k, t in s.items() if k != "step"} == {torch.float32}
+        exported = two.live_weights()
+        dtypes = await anyio.to_thread.run_sync(lambda: {exported[name].dtype for name in exported})
+        assert dtypes == {torch.bfloat16}
+
+
 async def test_ranks_that_cannot_be_placed_exit_2_naming_what_was_asked_and_what_the_cluster_has(
         tmp_path: Path, tq_session: None, tiny_llama: Path) -> None:
     _, two_config = configs(tmp_path, tiny_llama)

@@ -82,13 +82,17 @@ def file_digest(path: Path) -> str:
     return h.hexdigest()
 
 
-def bundle_files(bundle: Path) -> dict[str, str]:
-    """BLAKE3 of every file in the bundle except training_info and the marker, by relative path."""
+def bytes_digest(data: bytes) -> str:
+    """``file_digest`` of a file holding ``data``."""
+    return blake3.blake3(data, max_threads=blake3.blake3.AUTO).hexdigest()
+
+
+def bundle_files(bundle: Path, known: dict[str, str]) -> dict[str, str]:
+    """BLAKE3 of every file in the bundle except training_info and the marker, by relative path: hashed
+    here unless ``known`` has it (digested while written, ``scd.model.weights.save_digested``)."""
     skip = {TRAINING_INFO_FILE, COMMIT_MARKER}
-    return {
-        str(p.relative_to(bundle)): file_digest(p)
-        for p in sorted(bundle.rglob("*")) if p.is_file() and str(p.relative_to(bundle)) not in skip
-    }
+    names = [str(p.relative_to(bundle)) for p in sorted(bundle.rglob("*")) if p.is_file()]
+    return {name: known[name] if name in known else file_digest(bundle / name) for name in names if name not in skip}
 
 
 def dir_bytes(path: Path) -> int:

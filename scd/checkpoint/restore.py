@@ -22,6 +22,7 @@ import os
 import shutil
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -40,6 +41,7 @@ from scd.checkpoint.verify import (
     newest_verifying,
     read_metadata,
     require_cursor_ahead_of_ledger,
+    require_digest,
     verify_files,
 )
 from scd.config import Config
@@ -218,6 +220,24 @@ def older_bundle_hint(bundle: Path, explicit: bool) -> str:
     return f"; {which} is {fallback}: restart with {flags}"
 
 
+# The trainer state is most of a bundle's bytes: its files are hashed while the trainer reads them (one of
+# the two reads then comes from the page cache), not in a pass of their own before it.
+POLICY_FILES = (layout.MODEL_FILE, layout.OPTIMIZER_FILE)
+
+
+def load_trainer_state_verified(trainer: Trainer, bundle: Path, info: TrainingInfo) -> dict[str, list[float]]:
+    """``trainer.load_state_files`` of the bundle's trainer state while its files' BLAKE3 digests are computed
+    beside it; blocking.  A mismatch is a ``BundleError``, also where it made the load itself fail, raised
+    before TQ loads anything; the trainer's state is then undefined, and the run ends."""
+    with ThreadPoolExecutor(len(POLICY_FILES), thread_name_prefix="scd-restore-digest") as pool:
+        digests = {name: pool.submit(layout.file_digest, bundle / name) for name in POLICY_FILES}
+        try:
+            return trainer.load_state_files(bundle / layout.MODEL_FILE, bundle / layout.OPTIMIZER_FILE)
+        finally:
+            for name, digest in digests.items():
+                require_digest(bundle, name, digest.result(), info.files[name])
+
+
 def clean_exit(info: TrainingInfo) -> bool:
     """The bundle is the last a run wrote as it exited cleanly (done, or drained)."""
     return info.trigger in (Trigger.FINAL.value, Trigger.SHUTDOWN.value)
@@ -243,7 +263,7 @@ async def restore_state(config: Config, parts: RestoreParts, restore_from: Path 
         log.info("no checkpoint in %s: starting empty", root)
         return None
     explicit = restore_from is not None
-    info = verify_or_point_elsewhere(bundle, explicit, lambda: verify_files(bundle))
+    info = verify_or_point_elsewhere(bundle, explicit, lambda: verify_files(bundle, hashed_while_read=POLICY_FILES))
     clock.lap(RestorePhase.RESOLVE)
     verified = verify_or_point_elsewhere(bundle, explicit, lambda: read_metadata(bundle, info))
     check_against_config(config, state, verified, allow_config_change)
@@ -261,13 +281,14 @@ async def restore_state(config: Config, parts: RestoreParts, restore_from: Path 
     verify_or_point_elsewhere(bundle, explicit, lambda: require_cursor_ahead_of_ledger(
         PromptOrder(state.order.num_prompts, dataloader), verified.ledger, bundle))
     clock.lap(RestorePhase.DATALOADER)
-    # Every refusal comes before anything is loaded: the trainer and TQ stay as they were.
+    # Every refusal comes before anything is loaded into TQ, and all but a trainer state file's digest before
+    # the trainer loads: TQ stays as it was.
     if not shadow:
         await require_clean_data_plane(dataplane, bundle)
     clock.lap(RestorePhase.TQ)
 
-    optimizer_changes = await anyio.to_thread.run_sync(parts.trainer.load_state_files, bundle / layout.MODEL_FILE,
-                                                       bundle / layout.OPTIMIZER_FILE)
+    optimizer_changes = await anyio.to_thread.run_sync(verify_or_point_elsewhere, bundle, explicit,
+                                                       lambda: load_trainer_state_verified(parts.trainer, bundle, info))
     for key, (old, new) in optimizer_changes.items():
         log.warning("restore: %s is %s in the config, %s in %s: the config's applies from now on", key, new, old,
                     bundle)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NoReturn
@@ -97,8 +97,10 @@ def verify_bundle(bundle: Path) -> VerifiedBundle:
     return read_metadata(bundle, verify_files(bundle))
 
 
-def verify_files(bundle: Path) -> TrainingInfo:
-    """The commit marker, ``training_info.json`` and every file's BLAKE3 digest; nothing else is decoded."""
+def verify_files(bundle: Path, *, hashed_while_read: Collection[str] = ()) -> TrainingInfo:
+    """The commit marker, ``training_info.json`` and every file's BLAKE3 digest but those of
+    ``hashed_while_read`` (restore hashes the trainer state's files while it loads them); nothing else is
+    decoded."""
     _require(bundle.is_dir(), bundle, "is not a directory")
     if (bundle / layout.LEGACY_REPLAY_FILE).exists():
         raise legacy_replay_error(bundle / layout.LEGACY_REPLAY_FILE)
@@ -129,9 +131,14 @@ def verify_files(bundle: Path) -> TrainingInfo:
     _require(any(name.startswith(layout.DATA_PLANE_DIR + "/") for name in info.files), bundle,
              f"holds no {layout.DATA_PLANE_DIR}/ (TQ's native snapshot)")
     for name, digest in info.files.items():
-        _require(layout.file_digest(bundle / name) == digest, bundle,
-                 f"{name} does not match its BLAKE3 digest in {layout.TRAINING_INFO_FILE} (corrupt or tampered)")
+        if name not in hashed_while_read:
+            require_digest(bundle, name, layout.file_digest(bundle / name), digest)
     return info
+
+
+def require_digest(bundle: Path, name: str, computed: str, recorded: str) -> None:
+    _require(computed == recorded, bundle,
+             f"{name} does not match its BLAKE3 digest in {layout.TRAINING_INFO_FILE} (corrupt or tampered)")
 
 
 def read_metadata(bundle: Path, info: TrainingInfo) -> VerifiedBundle:

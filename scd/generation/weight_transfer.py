@@ -471,5 +471,17 @@ def register() -> None:
         WeightTransferEngineFactory.register_engine(BACKEND, BroadcastTransferEngine)
 
 
+class _RotaryCacheFilter(logging.Filter):
+    """Drops vLLM's "RotaryEmbedding: Failed to load weights" at the end of every weight sync: a rotary
+    embedding's only tensor is its cos/sin cache, computed from the model's config and in no checkpoint, so a
+    layerwise reload never loads it and puts the engine's own cache back, which is right.  Any other layer
+    that fails to load is still logged."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.msg == "%s: Failed to load weights" and isinstance(record.args, tuple)
+                    and str(record.args[0]).endswith("RotaryEmbedding"))
+
+
 register()
 _die_with_scd()
+logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(_RotaryCacheFilter())

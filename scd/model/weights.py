@@ -3,7 +3,7 @@
 A generation backend reads a weight sync's tensors in order (``Mapping`` iteration); a
 ``ChunkedWeights`` holds one chunk (a decoder layer, or one of the tensors outside the layers)
 at a time, so scd's process never holds a second copy of the model.  Reading out of order
-works, fetching again.
+works, fetching again.  ``save_digested`` writes a trainer state file and hashes it on the way.
 """
 
 from __future__ import annotations
@@ -11,7 +11,10 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
+import blake3
 import torch
 
 _LAYER = re.compile(r"^(.*?\.layers\.\d+)\.")
@@ -78,3 +81,36 @@ def unaliased(weights: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]
             seen.add(key)
             out[name] = tensor
     return out
+
+
+class _DigestingWriter:
+    """A file opened for writing that BLAKE3-hashes the bytes as they pass, so that a file scd writes itself
+    (the policy's, the sidecar) costs no second read to digest: ``torch.save`` writes through it."""
+
+    def __init__(self, path: Path) -> None:
+        self._file = path.open("wb")
+        self._hash = blake3.blake3(max_threads=blake3.blake3.AUTO)
+
+    def write(self, data: bytes | memoryview) -> int:
+        self._hash.update(data)
+        return self._file.write(data)
+
+    def flush(self) -> None:
+        self._file.flush()
+
+    def __enter__(self) -> _DigestingWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._file.close()
+
+    def hexdigest(self) -> str:
+        return self._hash.hexdigest()
+
+
+def save_digested(state: dict[str, Any], path: Path) -> str:
+    """``torch.save`` to ``path``; the file's BLAKE3 digest (as a bundle records it), hashed as it was written
+    instead of read back after."""
+    with _DigestingWriter(path) as file:
+        torch.save(state, file)
+    return file.hexdigest()

@@ -89,13 +89,15 @@ def serve(name: str, telemetry: TelemetryConfig, mark_dir: Path, lines: queue.Qu
             point = point_of(record, run)
             if point is None:
                 continue
+            # Opened before the first step is marked: a mark is a promise that its step is logged, and opening
+            # can take seconds (MLflow creates its database), a window in which a SIGKILL would break it.
+            if tracker is None:
+                tracker = open_tracker(name, telemetry, run)
             if point.train:
                 if point.step <= mark.step:
                     continue  # logged before a crash, trained again after the restore
                 mark.advance(point.step)
                 logged_step = point.step
-            if tracker is None:
-                tracker = open_tracker(name, telemetry, run)
             faults.hit(f"{name}_log")
             tracker.log(point)
             if lines.empty():

@@ -219,7 +219,8 @@ class MlflowTracker:
         self._client = MlflowClient(tracking_uri=config.tracking_uri)
         experiment = self._client.get_experiment_by_name(config.experiment)
         experiment_id = (experiment.experiment_id if experiment is not None
-                         else self._client.create_experiment(config.experiment))
+                         else self._client.create_experiment(config.experiment,
+                                                             artifact_location=config.artifact_location or None))
         found = self._client.search_runs([experiment_id], filter_string=f"tags.`{MLFLOW_RUN_TAG}` = '{run.run_id}'",
                                          max_results=1)
         if found:

@@ -61,8 +61,9 @@ class TrainerStatistics:
 
 
 class StateCapture(Protocol):
-    def write(self, model_path: Path, optimizer_path: Path) -> None:
-        """Write the captured weights and optimizer state; blocking (the checkpoint writer's thread)."""
+    def write(self, model_path: Path, optimizer_path: Path) -> tuple[str, str]:
+        """Write the captured weights and optimizer state; their files' BLAKE3 digests, computed as they were
+        written.  Blocking (the checkpoint writer's thread)."""
         ...
 
 

@@ -143,7 +143,8 @@ def _rank_actor() -> Any:
                 if id(tensor) in seen:  # a tied weight is sent once, as a checkpoint holds it
                     continue
                 seen.add(id(tensor))
-                entries.append(WeightEntry(name, str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape)))
+                dtype = self.trainer.model_dtype if tensor.is_floating_point() else tensor.dtype
+                entries.append(WeightEntry(name, str(dtype).removeprefix("torch."), tuple(tensor.shape)))
             return entries
 
         def train(self, groups: list[list[Rollout]], weight_version: int, step_tokens: int) -> Any:
@@ -152,7 +153,7 @@ def _rank_actor() -> Any:
         def gather(self, names: list[str]) -> Any:
             from scd.training.sharding import gathered
 
-            tensors = gathered(self.trainer.model, names)
+            tensors = gathered(self.trainer.model, names, self.trainer.model_dtype)
             return tensors if self.rank == 0 else None
 
         def capture(self) -> None:
@@ -161,14 +162,13 @@ def _rank_actor() -> Any:
             self.captured = (model, optimizer) if self.rank == 0 else None
 
         @ray.method(concurrency_group="writer")
-        def write_captured(self, model_path: str, optimizer_path: str) -> None:
-            import torch
+        def write_captured(self, model_path: str, optimizer_path: str) -> tuple[str, str]:
+            from scd.model.weights import save_digested
 
             assert self.captured is not None, "write_captured without a capture"
             model, optimizer = self.captured
             self.captured = None
-            torch.save(model, model_path)
-            torch.save(optimizer, optimizer_path)
+            return save_digested(model, Path(model_path)), save_digested(optimizer, Path(optimizer_path))
 
         def load(self, model_path: str, optimizer_path: str) -> dict[str, list[float]]:
             import torch
@@ -189,10 +189,10 @@ class _GroupCapture:
         """Until every rank has its part of the capture (the next step starts after it); blocking."""
         self._group.wait_all(self._refs, "a checkpoint's state capture")
 
-    def write(self, model_path: Path, optimizer_path: Path) -> None:
+    def write(self, model_path: Path, optimizer_path: Path) -> tuple[str, str]:
         self.wait_captured()
-        self._group.wait_all([self._group.ranks[0].write_captured.remote(str(model_path), str(optimizer_path))],
-                             "writing a checkpoint's trainer state")
+        return self._group.wait_all([self._group.ranks[0].write_captured.remote(str(model_path), str(optimizer_path))],
+                             "writing a checkpoint's trainer state")[0]
 
 
 @asynccontextmanager

@@ -1,10 +1,9 @@
 """GRPO: group-normalised advantages, PPO-clip against the generation logprobs, AdamW.
 
-In scd's own process (world size 1) the optimizer updates fp32 master weights and keeps fp32 state while
-the model computes in ``model.dtype`` (autocast), unless ``trainer.master_dtype = "model"``; generation
-gets the weights in ``model.dtype``.  Logprobs come from the final hidden states a chunk of completion
-tokens at a time (``scd.training.logprobs``).  FSDP2 ranks keep their own mixed-precision policy and
-compute full logits.
+At every world size the optimizer updates fp32 master weights and keeps fp32 state while the model computes
+in ``model.dtype`` (autocast in scd's own process, FSDP2's ``MixedPrecisionPolicy`` on ranks), unless
+``trainer.master_dtype = "model"``; generation and exports get the weights in ``model.dtype``.  Logprobs
+come from the final hidden states a chunk of completion tokens at a time (``scd.training.logprobs``).
 """
 
 from __future__ import annotations
@@ -21,6 +20,7 @@ import torch
 from scd.config import Config
 from scd.model.policy import Policy, state_copy
 from scd.model.sampling import Sampling
+from scd.model.weights import save_digested
 from scd.records import Rollout
 from scd.telemetry import metrics
 from scd.training.base import StepResult, StepShare, TrainerStatistics
@@ -51,9 +51,8 @@ class CopiedState:
     model: dict[str, torch.Tensor]
     optimizer: dict[str, Any]
 
-    def write(self, model_path: Path, optimizer_path: Path) -> None:
-        torch.save(self.model, model_path)
-        torch.save(self.optimizer, optimizer_path)
+    def write(self, model_path: Path, optimizer_path: Path) -> tuple[str, str]:
+        return save_digested(self.model, model_path), save_digested(self.optimizer, optimizer_path)
 
 
 def completion_tokens(groups: Sequence[Sequence[Rollout]]) -> int:
@@ -87,25 +86,30 @@ class GRPOTrainer:
         # What generation and exports get, and what the model computes in.
         self.model_dtype = getattr(torch, config.model.dtype)
         self.compute_dtype = getattr(torch, self.cfg.param_dtype) if self.cfg.param_dtype else self.model_dtype
-        self._autocast = False
+        master = torch.float32 if self.cfg.master_dtype == "float32" else self.model_dtype
+        if master != torch.float32:
+            log.warning("trainer.master_dtype = \"model\": the optimizer updates %s weights; updates below "
+                        "their resolution are lost", config.model.dtype)
+        self.model.to(master)
+        self.head = policy.output_head(self.model)
+        self.chunk_tokens = chunk_tokens_for(self.head.weight.shape[0], self.cfg.logprob_chunk_tokens)
+        if self.cfg.activation_checkpointing:
+            from torch.distributed._composable import checkpoint
+
+            for layer in policy.decoder_layers(self.model):
+                checkpoint(layer)
+        # The logprobs are computed through the model, as its forward is: sharded, FSDP gathers the root's
+        # parameters (embedding, final norm, output head) around it and reduces their gradients after.
+        self.model.scd_completion_logprobs = self._completion_logprobs
+        # FSDP casts the parameters to the compute dtype; in this process autocast does.
+        self._autocast = not sharded and self.compute_dtype != master
         if sharded:
+            from torch.distributed.fsdp import register_fsdp_forward_method
+
             from scd.training.sharding import shard_model
 
-            self.world_size = shard_model(self.model, policy, config.trainer)
-        else:
-            master = torch.float32 if self.cfg.master_dtype == "float32" else self.model_dtype
-            if master != torch.float32:
-                log.warning("trainer.master_dtype = \"model\": the optimizer updates %s weights; updates below "
-                            "their resolution are lost", config.model.dtype)
-            self.model.to(master)
-            self._autocast = self.compute_dtype != master
-            if self.cfg.activation_checkpointing:
-                from torch.distributed._composable import checkpoint
-
-                for layer in policy.decoder_layers(self.model):
-                    checkpoint(layer)
-            self.head = policy.output_head(self.model)
-            self.chunk_tokens = chunk_tokens_for(self.head.weight.shape[0], self.cfg.logprob_chunk_tokens)
+            self.world_size = shard_model(self.model, policy, config.trainer, self.compute_dtype, master)
+            register_fsdp_forward_method(self.model, "scd_completion_logprobs")
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=self.cfg.lr, weight_decay=self.cfg.weight_decay
         )
@@ -188,18 +192,14 @@ class GRPOTrainer:
         (scd.model.sampling), and the entropy there, ``[rows, length - 1]``; 0 outside the completions (``mask``).
         A token outside the new weights' top-k / top-p set has logprob -inf: ratio 0, kept out of the gradient
         by the clip."""
-        if self.sharded:
-            logp = self.sampling.logprobs(self.policy.logits(self.model, tokens))
-            # Prompt and padding positions, outside every completion, may be -inf: 0 there, as old_logp is.
-            new_logp = completion_logprobs(logp, tokens).masked_fill(mask == 0, 0.0)
-            with torch.set_grad_enabled(bool(self.cfg.entropy_coef)):
-                kept = logp[:, :-1]
-                entropy = -(kept.exp() * kept.masked_fill(kept.isinf(), 0.0)).sum(-1)
-            return new_logp, entropy
+        return self.model.scd_completion_logprobs(tokens, mask)
+
+    def _completion_logprobs(self, tokens: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         at = mask.bool()
         hidden = self.policy.hidden(self.model, tokens)[:, :-1][at]
         chosen, entropy = token_logprobs(hidden, tokens[:, 1:][at], self.head, self.sampling, self.chunk_tokens)
-        return torch.zeros_like(mask).masked_scatter(at, chosen), torch.zeros_like(mask).masked_scatter(at, entropy)
+        zeros = torch.zeros(mask.shape, dtype=chosen.dtype, device=mask.device)
+        return zeros.masked_scatter(at, chosen), zeros.masked_scatter(at, entropy)
 
     def train_share(self, groups: Sequence[Sequence[Rollout]], weight_version: int, step_tokens: int) -> StepShare:
         """This rank's part of one step: the loss over its ``groups``, normalised by ``step_tokens`` (the

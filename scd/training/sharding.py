@@ -23,21 +23,16 @@ from scd.config import TrainerConfig
 from scd.model.policy import Policy
 
 
-def shard_model(model: nn.Module, policy: Policy, config: TrainerConfig) -> int:
-    """``fully_shard`` each decoder layer, then the root; returns the world size."""
+def shard_model(model: nn.Module, policy: Policy, config: TrainerConfig, compute: torch.dtype,
+                master: torch.dtype) -> int:
+    """``fully_shard`` each decoder layer, then the root, over ``master`` weights that compute in ``compute``
+    (gradients reduced in ``trainer.reduce_dtype``, else in the masters' dtype); returns the world size."""
     import torch.distributed as dist
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    precision = MixedPrecisionPolicy(
-        param_dtype=getattr(torch, config.param_dtype) if config.param_dtype else None,
-        reduce_dtype=getattr(torch, config.reduce_dtype) if config.reduce_dtype else None)
-    layers = policy.decoder_layers(model)
-    if config.activation_checkpointing:
-        from torch.distributed._composable import checkpoint
-
-        for layer in layers:
-            checkpoint(layer)
-    for layer in layers:
+    reduce = getattr(torch, config.reduce_dtype) if config.reduce_dtype else master
+    precision = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=reduce)
+    for layer in policy.decoder_layers(model):
         fully_shard(layer, mp_policy=precision)
     fully_shard(model, mp_policy=precision)
     return dist.get_world_size()
@@ -84,10 +79,12 @@ def load_full_state(model: nn.Module, optimizer: torch.optim.Optimizer,
     }, options=options)
 
 
-def gathered(model: nn.Module, names: list[str]) -> dict[str, torch.Tensor]:
-    """The whole tensors of ``names`` (host memory); every rank must call it with the same names."""
+def gathered(model: nn.Module, names: list[str], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The whole tensors of ``names`` (host memory), floating ones in ``dtype``; every rank must call it with
+    the same names."""
     from torch.distributed.tensor import DTensor
 
     own = model.state_dict()
-    return {name: (own[name].full_tensor() if isinstance(own[name], DTensor) else own[name]).detach().cpu()
-            for name in names}
+    whole = {name: (own[name].full_tensor() if isinstance(own[name], DTensor) else own[name]).detach()
+             for name in names}
+    return {name: t.to("cpu", dtype if t.is_floating_point() else t.dtype) for name, t in whole.items()}

@@ -21,7 +21,7 @@ def copy_bundles(golden: dict[str, Any], tmp_path: Path) -> Path:
 def reseal(bundle: Path) -> None:
     """Re-sign a bundle after an edit, as a consistent-but-wrong bundle would be."""
     info = orjson.loads((bundle / layout.TRAINING_INFO_FILE).read_bytes())
-    info["files"] = layout.bundle_files(bundle)
+    info["files"] = layout.bundle_files(bundle, {})
     (bundle / layout.TRAINING_INFO_FILE).write_bytes(orjson.dumps(info))
     (bundle / layout.COMMIT_MARKER).write_text(layout.sha256_file(bundle / layout.TRAINING_INFO_FILE))
 
