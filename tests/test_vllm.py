@@ -244,12 +244,13 @@ def events(path: Path) -> list[dict[str, Any]]:
     return [orjson.loads(line) for line in path.read_bytes().splitlines()]
 
 
-def test_scd_run_on_vllm_reaches_max_steps_with_both_metric_families(tiny_llama: Path, tmp_path: Path,
-                                                                     scd_processes: list[ScdProcess]) -> None:
+def test_scd_run_on_vllm_reaches_max_steps_with_both_metric_families(
+        tiny_llama: Path, tmp_path: Path, scd_processes: list[ScdProcess], session_ray: str) -> None:
     # Staleness 0: every trained token was sampled by the weights being trained, so each step
     # measures the trainer/generation logprob agreement.
     config = vllm_cpu_config(tmp_path, tiny_llama, async_rl={"sampler.max_staleness_versions": 0},
-                             generation={"group_size": 8}, trainer={"groups_per_step": 8})
+                             generation={"group_size": 8}, trainer={"groups_per_step": 8},
+                             data_plane={"ray.address": session_ray})
     port = tomllib.loads(config.read_text())["telemetry"]["metrics_port"]
     scd = ScdProcess(config, "--max-steps", "10")
     scd_processes.append(scd)
@@ -267,7 +268,7 @@ def test_scd_run_on_vllm_reaches_max_steps_with_both_metric_families(tiny_llama:
 
 
 def test_vllm_with_two_trainer_ranks_checkpoints_is_killed_restores_and_trains_on(
-        tiny_llama: Path, tmp_path: Path, scd_processes: list[ScdProcess]) -> None:
+        tiny_llama: Path, tmp_path: Path, scd_processes: list[ScdProcess], session_ray: str) -> None:
     """Two FSDP2 ranks on Ray train; their weights reach the engine in memory, a layer at a time.
     Staleness 0, so that every step measures the trainer/generation logprob agreement.  Completions
     of up to 24 tokens: the SIGKILL comes after a bundle that holds part-way ones, which the restart
@@ -276,7 +277,8 @@ def test_vllm_with_two_trainer_ranks_checkpoints_is_killed_restores_and_trains_o
                              async_rl={"sampler.max_staleness_versions": 0},
                              task={"min_digits": 24, "max_digits": 24},
                              generation={"group_size": 8, "max_new_tokens": 24},
-                             trainer={"groups_per_step": 8, "world_size": 2})
+                             trainer={"groups_per_step": 8, "world_size": 2},
+                             data_plane={"ray.address": session_ray})
     root = tmp_path / "out" / "checkpoints"
     first = ScdProcess(config)
     scd_processes.append(first)

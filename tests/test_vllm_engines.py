@@ -150,8 +150,8 @@ def train_checkpoint_and_sigkill(config: Path, scd_processes: list[ScdProcess], 
     [bundle] = layout.finalized_bundles(config.parent / "out" / "checkpoints")
     engines = engine_processes(first.proc.pid)
     assert len([p for p in engines if p.name().startswith("VLLM::EngineCor")]) == engine_cores
-    os.kill(first.proc.pid, signal.SIGKILL)
-    first.proc.wait(timeout=30)
+    first.signal(signal.SIGKILL)  # scd alone, not its process group
+    assert first.wait(timeout=30) == -signal.SIGKILL
     _, alive = psutil.wait_procs(engines, timeout=60)
     assert alive == [], f"engine processes outlived scd: {alive}"
     return bundle
@@ -165,9 +165,10 @@ def assert_logprobs_agree(config: Path) -> None:
 
 
 def test_two_engines_share_the_groups_die_with_scd_restore_and_name_a_dead_engine(
-        tiny_llama: Path, tmp_path: Path, scd_processes: list[ScdProcess]) -> None:
+        tiny_llama: Path, tmp_path: Path, scd_processes: list[ScdProcess], session_ray: str) -> None:
     config = vllm_cpu_config(tmp_path, tiny_llama, checkpointing={"enabled": True, "interval_s": 3600},
-                             generation={"group_size": 8, "vllm.engines": 2}, trainer={"groups_per_step": 8})
+                             generation={"group_size": 8, "vllm.engines": 2}, trainer={"groups_per_step": 8},
+                             data_plane={"ray.address": session_ray})
     bundle = train_checkpoint_and_sigkill(config, scd_processes, engine_cores=2)
     step = layout.step_of(bundle)
     second = ScdProcess(config)
@@ -190,10 +191,10 @@ def test_two_engines_share_the_groups_die_with_scd_restore_and_name_a_dead_engin
 
 
 def test_one_engine_of_two_tensor_parallel_workers_restores_and_trains_on(
-        tiny_llama: Path, tmp_path: Path, scd_processes: list[ScdProcess]) -> None:
+        tiny_llama: Path, tmp_path: Path, scd_processes: list[ScdProcess], session_ray: str) -> None:
     config = vllm_cpu_config(tmp_path, tiny_llama, checkpointing={"enabled": True, "interval_s": 3600},
                              generation={"group_size": 8, "vllm.tensor_parallel_size": 2},
-                             trainer={"groups_per_step": 8})
+                             trainer={"groups_per_step": 8}, data_plane={"ray.address": session_ray})
     bundle = train_checkpoint_and_sigkill(config, scd_processes, engine_cores=1)
     step = layout.step_of(bundle) or 0
     second = ScdProcess(config, "--max-steps", str(step + 3))
