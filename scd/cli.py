@@ -153,6 +153,10 @@ def _parser() -> argparse.ArgumentParser:
     init = model_commands.add_parser("init-tiny", help="a random-init Llama and a character tokenizer")
     init.add_argument("dir", type=Path, nargs="?", help="directory to write the model into")
     init.add_argument("--for-config", type=Path, help="write the model.name directory of CONFIG if it is missing")
+    export = commands.add_parser("export", help="a bundle's policy as a Hugging Face model directory")
+    export.add_argument("bundle", type=Path, help="a checkpoint bundle (step_N directory)")
+    export.add_argument("out_dir", type=Path, help="the directory to write (written beside it, then renamed)")
+    export.add_argument("--force", action="store_true", help="replace OUT_DIR if it exists and is not empty")
     ckpt = commands.add_parser("checkpoint", help="list, verify or inspect checkpoint bundles")
     ckpt_commands = ckpt.add_subparsers(dest="checkpoint_command", required=True)
     ckpt_commands.add_parser("list", help="bundles in a checkpoint directory").add_argument("dir", type=Path)
@@ -192,6 +196,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             return checkpoint_command(args)
         if args.command == "model":
             return model_command(args)
+        if args.command == "export":
+            from scd.checkpoint.export import export_bundle
+
+            print(export_bundle(args.bundle, args.out_dir, replace=args.force))
+            return EXIT_OK
         if args.command == "report":
             from scd.report import write_report
 

@@ -35,6 +35,9 @@ class RunConfig(_Section):
     seed: int = 0
     max_steps: int = 300
     output_dir: str = "runs/default"
+    # When a run reaches its last step, its final bundle is exported here as a Hugging Face directory
+    # (``scd export``); relative to output_dir; "" = no export.
+    export_dir: str = ""
 
 
 class RayConfig(_Section):
@@ -522,6 +525,7 @@ def _resolve_paths(config: Config, base_dir: Path) -> None:
     # Checkpoints and events default to living under the run's output directory.
     out = Path(config.run.output_dir)
     config.checkpointing.dir = _resolve(out, config.checkpointing.dir)
+    config.run.export_dir = _resolve(out, config.run.export_dir)
     config.telemetry.events_path = _resolve(out, config.telemetry.events_path)
     tel = config.telemetry
     tel.tensorboard.dir = _resolve(out, tel.tensorboard.dir)
@@ -541,6 +545,11 @@ def validate(config: Config) -> None:
     run, dp, gen, tr = config.run, config.data_plane, config.generation, config.trainer
     task, sampler, ckpt, tel = config.task, config.async_rl.sampler, config.checkpointing, config.telemetry
     _require(run.max_steps >= 1, "run.max_steps", f"must be >= 1, got {run.max_steps}")
+    _require(not run.export_dir or config.checkpointing.enabled, "run.export_dir",
+             "exports the run's final bundle: it needs checkpointing.enabled = true")
+    _require(not run.export_dir or config.model.name != "tiny", "run.export_dir",
+             "scd's embedded tiny transformer (model.name = 'tiny') is no Hugging Face architecture and cannot "
+             "be exported; train a Hugging Face model directory to export one")
     _require(dp.storage_units >= 1, "data_plane.storage_units", f"must be >= 1, got {dp.storage_units}")
     _require(dp.call_timeout_s > 0, "data_plane.call_timeout_s", "must be > 0")
     _require(dp.startup_timeout_s > 0, "data_plane.startup_timeout_s", "must be > 0")

@@ -288,7 +288,7 @@ class Controller:
             self._notify()
 
     async def last_checkpoint(self, trigger: Trigger) -> None:
-        """The checkpoint before the process exits, written before this returns.
+        """The checkpoint before the process exits (exported at the last step), written before this returns.
 
         Its failure is the run's failure: the checkpointer raises ``CheckpointFailed`` (exit 1)
         naming the cause and the newest good bundle.
@@ -296,7 +296,7 @@ class Controller:
         if self.checkpointer is None:
             return
         with anyio.CancelScope(shield=True):
-            await self.checkpointer.attempt(trigger, wait=True)
+            await self.checkpointer.attempt_last(trigger)
 
     # ---- the task group ----------------------------------------------------------------------
 

@@ -30,6 +30,7 @@ SHARED_FIXTURE_GROUPS = {
     "test_vllm": "vllm", "test_vllm_engines": "vllm", "test_vllm_sampling": "vllm",
     "test_checkpoint": "test_checkpoint", "test_data_safety": "test_data_safety",
     "test_sampler_restore": "test_sampler_restore", "test_cluster": "test_cluster",
+    "test_guarded_behaviours": "test_guarded_behaviours",
 }
 # A test that needs any of these starts Ray, a vLLM engine or an `scd run`: it is `slow`, outside
 # `make test-fast`.  A test that starts a subprocess some other way carries the mark itself.

@@ -213,9 +213,13 @@ def edit_group(bundle: Path, change: Callable[[dict[str, Any]], None]) -> None:
 
 
 def swap_sample_ids(bundle: Path) -> None:
+    """The first group names another group's rows: the second's where the cut holds two (under load the golden
+    run's last cut may hold one ready group), else those of a group of an epoch the run never reached."""
     def edit(sidecar: dict[str, Any]) -> None:
-        first, second = sidecar["groups"][:2]
-        first["sample_ids"], second["sample_ids"] = second["sample_ids"], first["sample_ids"]
+        first, *others = sidecar["groups"]
+        theirs = others[0]["sample_ids"] if others else [
+            s.replace(first["group_id"], "e99-p0", 1) for s in first["sample_ids"]]
+        first["sample_ids"] = theirs
         set_digest(sidecar, bundle)
     edit_json(bundle, layout.SIDECAR_FILE, edit)
 
@@ -513,6 +517,14 @@ def test_scd_checkpoint_verify_rejects_offline(golden: dict[str, Any], tmp_path:
                          text=True, timeout=120)
     assert bad.returncode == 3
     assert message in bad.stderr
+
+
+def test_scd_export_of_a_tiny_transformer_bundle_exits_2_naming_why_and_writes_nothing(
+        golden: dict[str, Any], tmp_path: Path) -> None:
+    out = subprocess.run([*SCD, "export", str(newest(golden["root"])), str(tmp_path / "hf")], cwd=REPO,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "embedded tiny transformer" in out.stderr and "init-tiny" in out.stderr
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_scd_checkpoint_inspect_and_list(golden: dict[str, Any]) -> None:

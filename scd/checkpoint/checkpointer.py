@@ -66,6 +66,7 @@ class Checkpointer:
                  trainer: Trainer, risk: WorkAtRisk, rollouts: Rollouts, generation: GenerationBackend) -> None:
         ckpt = config.checkpointing
         self.root = Path(ckpt.dir)
+        self.export_dir = Path(config.run.export_dir) if config.run.export_dir else None
         self.keep_last = ckpt.keep_last
         self.max_consecutive_failures = ckpt.max_consecutive_failures
         self.events = events
@@ -119,6 +120,17 @@ class Checkpointer:
             metrics.checkpoint_seconds_since_success.set(since)
         await self.events.emit(Checkpoint(step=step, outcome=outcome.value, reason=reason,
                                           since_last_success_s=since, **fields))
+
+    async def attempt_last(self, trigger: Trigger) -> None:
+        """The checkpoint before the process exits (``attempt`` waiting for its write).  At the run's last
+        step (``Trigger.FINAL``) with ``run.export_dir``, its bundle is then exported there, replacing an
+        earlier export only once the new one is whole."""
+        await self.attempt(trigger, wait=True)
+        if trigger is Trigger.FINAL and self.export_dir is not None:
+            from scd.checkpoint.export import export_bundle
+
+            bundle, out_dir = layout.step_dir(self.root, self._state.trainer_step), self.export_dir
+            await anyio.to_thread.run_sync(lambda: export_bundle(bundle, out_dir, replace=True))
 
     async def attempt(self, trigger: Trigger, *, wait: bool = False) -> Outcome:
         """Take a checkpoint at this train-step boundary, or record why not.

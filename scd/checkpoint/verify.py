@@ -116,6 +116,11 @@ def verify_files(bundle: Path, *, hashed_while_read: Collection[str] = ()) -> Tr
     # Every train step advances both by one from 0 (``ControllerState.finish_step``) and a restore
     # installs both as recorded: where they differ the bundle was edited or written wrong, and every
     # staleness decision after the restore would be off by the difference.
+    # Restore picks the newest bundle, and the checkpointer skips a step whose bundle exists, by the directory's
+    # name: a name that disagrees with the content would restore the wrong step and hide the right one.
+    named = layout.step_of(bundle)
+    _require(named is None or named == info.step, bundle,
+             f"is named for step {named} but its {layout.TRAINING_INFO_FILE} records step {info.step}")
     _require(info.weight_version == info.step, bundle,
              f"{layout.TRAINING_INFO_FILE} records step {info.step} but weight_version {info.weight_version}; "
              "every train step advances both by one from 0, so they must be equal")

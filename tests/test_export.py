@@ -1,0 +1,94 @@
+"""``scd export`` and ``run.export_dir``: a bundle's policy as a Hugging Face directory that transformers loads,
+with the bundle's weights; bad input refused with nothing written."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import orjson
+import torch
+
+from scd.checkpoint import layout
+from tests.conftest import REPO, SCD, ScdProcess, tree_digest, write_config
+
+HF_FILES = {"config.json", "model.safetensors", "generation_config.json", "tokenizer_config.json", "scd_export.json"}
+
+
+def export(bundle: Path, out_dir: Path, *flags: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*SCD, "export", str(bundle), str(out_dir), *flags], cwd=REPO, capture_output=True,
+                          text=True, timeout=300)
+
+
+def greedy(model: torch.nn.Module, prompt: list[int]) -> list[int]:
+    generated = model.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, pad_token_id=0)
+    return generated[0, len(prompt):].tolist()
+
+
+def test_a_run_exports_its_final_bundle_that_transformers_loads_with_its_weights_and_scd_export_guards_its_input(
+        tmp_path: Path, scd_processes: list[ScdProcess], session_ray: str, tiny_llama: Path) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    config = write_config(tmp_path, ray_address=session_ray)
+    scd = ScdProcess(config, "--max-steps", "2", "--set", f"model.name='{tiny_llama}'",
+                     "--set", "checkpointing.enabled=true", "--set", "run.export_dir='export'")
+    scd_processes.append(scd)
+    assert scd.wait(timeout=300) == 0, scd.output()[-3000:]
+    out = tmp_path / "out"
+    bundle = layout.step_dir(out / "checkpoints", 2)
+    exported = out / "export"
+    assert HF_FILES <= {p.name for p in exported.iterdir()}
+    assert orjson.loads((exported / "scd_export.json").read_bytes())["step"] == 2
+
+    # The export's weights are the bundle's, in model.dtype; it generates as the trainer's weights do.
+    loaded = AutoModelForCausalLM.from_pretrained(exported, local_files_only=True)
+    saved = torch.load(bundle / layout.MODEL_FILE, weights_only=True)
+    for name, tensor in loaded.state_dict().items():
+        torch.testing.assert_close(tensor, saved[name].to(tensor.dtype), rtol=0, atol=0, msg=name)
+    base = AutoModelForCausalLM.from_pretrained(tiny_llama, local_files_only=True)
+    assert any(not torch.equal(tensor, base.state_dict()[name]) for name, tensor in saved.items())
+    trainer = AutoModelForCausalLM.from_pretrained(tiny_llama, local_files_only=True)
+    trainer.load_state_dict(saved)
+    prompt = AutoTokenizer.from_pretrained(exported, local_files_only=True)("12345")["input_ids"]
+    assert greedy(loaded.eval(), prompt) == greedy(trainer.eval(), prompt)
+
+    # `scd export` of the same bundle: a new directory, never over a non-empty one without --force.
+    again = tmp_path / "again"
+    done = export(bundle, again)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert (again / "model.safetensors").read_bytes() == (exported / "model.safetensors").read_bytes()
+    before = tree_digest(again)
+    refused = export(bundle, again)
+    assert refused.returncode == 2 and f"{again} exists and is not empty: pass --force" in refused.stderr
+    assert tree_digest(again) == before
+    forced = export(bundle, again, "--force")
+    assert forced.returncode == 0, forced.stderr[-3000:]
+    assert HF_FILES <= {p.name for p in again.iterdir()}
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".again")) == []
+
+    # A bundle that fails verification writes nothing.
+    data = bytearray((bundle / layout.MODEL_FILE).read_bytes())
+    data[-1] ^= 0xFF
+    (bundle / layout.MODEL_FILE).write_bytes(bytes(data))
+    broken = export(bundle, tmp_path / "broken")
+    assert broken.returncode == 3 and "does not match its BLAKE3 digest" in broken.stderr
+    assert not (tmp_path / "broken").exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".broken")]
+
+
+def test_exporting_the_tiny_transformer_is_refused_naming_why(tmp_path: Path) -> None:
+    """Before any run: the config refuses ``run.export_dir`` for the tiny model, exit 2."""
+    config = write_config(tmp_path)
+    refused = subprocess.run([*SCD, "run", str(config), "--set", "checkpointing.enabled=true",
+                              "--set", "run.export_dir='export'"], cwd=REPO, capture_output=True, text=True,
+                             timeout=120)
+    assert refused.returncode == 2
+    assert "run.export_dir" in refused.stderr and "tiny transformer" in refused.stderr
+
+
+def test_run_export_dir_needs_checkpointing(tmp_path: Path, tiny_llama: Path) -> None:
+    config = write_config(tmp_path)
+    refused = subprocess.run([*SCD, "run", str(config), "--set", f"model.name='{tiny_llama}'",
+                              "--set", "checkpointing.enabled=false", "--set", "run.export_dir='export'"],
+                             cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 2 and "checkpointing.enabled = true" in refused.stderr
