@@ -25,9 +25,10 @@ import orjson
 from bench.commits import ZERO_SCORES, fake_group
 from bench.configs import tiny
 from scd.checkpoint import layout
-from scd.daemon import Controller, Triggers
+from scd.daemon import Controller
 from scd.dataplane import DataPlane
 from scd.ledger import PromptState
+from scd.triggers import Triggers
 
 SAMPLERS = ("windowed", "weight_fifo", "in_order")
 

@@ -31,11 +31,12 @@ from bench.summary import percentile, probe_loop
 from scd.checkpoint import layout
 from scd.checkpoint.save import capture_cut
 from scd.config import Config
-from scd.daemon import Controller, Triggers
+from scd.daemon import Controller
 from scd.model.policy import build_policy
 from scd.model.prompts import render_task
 from scd.rewards import load_rewards
 from scd.training.grpo import GRPOTrainer
+from scd.triggers import Triggers
 
 RESULTS = REPO / "bench" / "results"
 GOALS = {

@@ -2,10 +2,10 @@
 
 Layering, bottom to top (a module imports only from layers below it):
 
-1. ``config``, ``errors``, ``records``, ``tasks``: typed configuration, error
-   types with exit codes, plain records, and the tasks' prompts and answers
-   (built-in, or rows of a JSONL or Parquet file).  No I/O beyond reading the
-   config and task files.
+1. ``config``, ``errors``, ``records``, ``tasks``, ``triggers``: typed configuration,
+   error types with exit codes, plain records, the tasks' prompts and answers
+   (built-in, or rows of a JSONL or Parquet file), and what signals ask of a
+   running controller.  No I/O beyond reading the config and task files.
 2. Controller state, pure parts: ``ledger`` (prompt lifecycle), ``replay``
    (metadata index of ready groups), ``samplers`` (which groups a train step
    may take), ``dataloader`` (seeded prompt order with a cursor), ``barrier``
@@ -40,6 +40,8 @@ Layering, bottom to top (a module imports only from layers below it):
 6. ``checkpoint``: the bundle layout, save, restore and offline verify.  It
    works on the state, the data plane, the trainer and the rollouts, never the
    controller; restore is one path from bundle to the first admission.
+   ``evaluation``: held-out evaluation at step boundaries, and of a bundle
+   offline (``scd eval``); it never touches the replay buffer or the ledger.
 7. ``daemon``: wiring, the pumps, and the one task group in which every
    concurrent activity runs.  ``watch``: observing it (/healthz, gauges,
    step rates, stalls, the loop probe, the telemetry sampler).

@@ -17,13 +17,14 @@ from anyio.abc import TaskStatus
 from scd.checkpoint.restore import keep_history_linear
 from scd.cluster import AbandonedCalls, plan_devices
 from scd.config import Config, load_config
-from scd.daemon import Controller, Triggers
+from scd.daemon import Controller
 from scd.errors import EXIT_CONFIG, EXIT_INVARIANT, EXIT_OK, EXIT_OTHER, ScdError
 from scd.rewards import resolve_rewards
 from scd.samplers import build_sampler
 from scd.telemetry.events import Start
 from scd.telemetry.http import open_listener, serve_http
 from scd.telemetry.trackers import require_tracker_packages
+from scd.triggers import Triggers
 
 log = logging.getLogger("scd")
 
@@ -55,7 +56,13 @@ async def run_daemon(config: Config, args: argparse.Namespace) -> None:
             async with Controller.open(config, config_dir=Path(args.config).resolve().parent) as controller:
                 controller.metrics_port = port
                 opened.append(controller)
-                await run_controller(controller, triggers, args)
+                try:
+                    await run_controller(controller, triggers, args)
+                except BaseException as exc:
+                    # Said before the teardown: stopping Ray after a call it abandoned can end the process
+                    # (Ray's core worker exits when the stuck thread touches it), and the reason must be out.
+                    _report(exc)
+                    raise
             http.cancel_scope.cancel()
         tg.cancel_scope.cancel()
 
@@ -69,6 +76,18 @@ async def run_controller(controller: Controller, triggers: Triggers, args: argpa
     await controller.restore(args.restore_from, args.allow_config_change, args.discard_newer)
     if not triggers.shutdown.is_set():
         await controller.run(triggers, args.max_steps)
+
+
+def eval_command(args: argparse.Namespace) -> int:
+    """Print the evaluation of one bundle as JSON (the ``eval`` event's numbers); exit 0."""
+    from scd.evaluation import evaluate_bundle, summary
+
+    config = load_config(args.config, args.overrides)
+    resolve_rewards(config.task, args.config.resolve().parent)
+    event = anyio.run(evaluate_bundle, config, args.bundle, args.config.resolve().parent, backend="asyncio",
+                      backend_options={"use_uvloop": True})
+    print(orjson.dumps(summary(event), option=orjson.OPT_INDENT_2).decode())
+    return EXIT_OK
 
 
 def checkpoint_command(args: argparse.Namespace) -> int:
@@ -115,6 +134,14 @@ def model_command(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _report(exc: BaseException) -> None:
+    """Print scd's error in ``exc`` (exit code aside) once, however often it is reported."""
+    error = _first_scd_error(exc)
+    if error is not None and not error.reported:
+        print(f"scd: error: {error}", file=sys.stderr, flush=True)
+        error.reported = True
+
+
 def _first_scd_error(exc: BaseException) -> ScdError | None:
     if isinstance(exc, ScdError):
         return exc
@@ -157,6 +184,11 @@ def _parser() -> argparse.ArgumentParser:
     export.add_argument("bundle", type=Path, help="a checkpoint bundle (step_N directory)")
     export.add_argument("out_dir", type=Path, help="the directory to write (written beside it, then renamed)")
     export.add_argument("--force", action="store_true", help="replace OUT_DIR if it exists and is not empty")
+    evaluate = commands.add_parser("eval", help="a bundle's held-out evaluation ([eval] of CONFIG), as a run makes it")
+    evaluate.add_argument("bundle", type=Path, help="a checkpoint bundle (step_N directory)")
+    evaluate.add_argument("--config", type=Path, required=True, help="the run's TOML config; its [eval] is used")
+    evaluate.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                          help="set a config key over the file's (repeatable), as scd run --set does")
     ckpt = commands.add_parser("checkpoint", help="list, verify or inspect checkpoint bundles")
     ckpt_commands = ckpt.add_subparsers(dest="checkpoint_command", required=True)
     ckpt_commands.add_parser("list", help="bundles in a checkpoint directory").add_argument("dir", type=Path)
@@ -201,6 +233,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             print(export_bundle(args.bundle, args.out_dir, replace=args.force))
             return EXIT_OK
+        if args.command == "eval":
+            return eval_command(args)
         if args.command == "report":
             from scd.report import write_report
 
@@ -226,7 +260,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BaseException as exc:
         error = _first_scd_error(exc)
         if error is not None:
-            print(f"scd: error: {error}", file=sys.stderr)
+            _report(error)
             return error.exit_code
         if isinstance(exc, KeyboardInterrupt):
             return EXIT_OK

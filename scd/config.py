@@ -249,6 +249,23 @@ class AsyncRLConfig(_Section):
     sampler: SamplerConfig = msgspec.field(default_factory=SamplerConfig)
 
 
+class EvalConfig(_Section):
+    """Held-out evaluation during training (scd.evaluation): another file of prompts, read, rendered and scored as
+    the task's are (its format from the file's suffix, .jsonl or .parquet), never trained on."""
+
+    path: str = ""  # "" = no evaluation
+    every_steps: int = 50  # 0: never during training (at the start and the last step as set below)
+    at_start: bool = True  # one eval before the first step
+    samples_per_prompt: int = 4  # k for pass@k and mean@k
+    temperature: float = 1.0  # 0: greedy (one sample)
+    max_prompts: int = 0  # 0: all
+    # A sample passes (pass@k) when its reward, the weighted sum of the task's rewards, reaches this.
+    pass_threshold: float = 1.0
+
+    def format(self) -> Literal["jsonl", "parquet"]:
+        return "parquet" if self.path.endswith(".parquet") else "jsonl"
+
+
 class CheckpointingConfig(_Section):
     enabled: bool = False
     dir: str = "checkpoints"
@@ -320,6 +337,7 @@ class Config(_Section):
     task: TaskConfig = msgspec.field(default_factory=TaskConfig)
     async_rl: AsyncRLConfig = msgspec.field(default_factory=AsyncRLConfig)
     checkpointing: CheckpointingConfig = msgspec.field(default_factory=CheckpointingConfig)
+    eval: EvalConfig = msgspec.field(default_factory=EvalConfig)
     telemetry: TelemetryConfig = msgspec.field(default_factory=TelemetryConfig)
 
     def window_capacity_groups(self) -> int:
@@ -520,6 +538,7 @@ def _resolve_paths(config: Config, base_dir: Path) -> None:
     if config.model.name != "tiny":
         config.model.name = _resolve(base_dir, config.model.name)
     config.task.path = _resolve(base_dir, config.task.path)
+    config.eval.path = _resolve(base_dir, config.eval.path)
     if config.task.chat_template not in CHAT_TEMPLATE_WORDS:
         config.task.chat_template = _resolve(base_dir, config.task.chat_template)
     # Checkpoints and events default to living under the run's output directory.
@@ -640,6 +659,7 @@ def validate(config: Config) -> None:
              f'must be "auto", "none" or a Jinja file; {task.chat_template} is not a file')
     _require(task.max_prompt_tokens >= 0, "task.max_prompt_tokens",
              f"must be >= 0 (0: the model's context minus generation.max_new_tokens), got {task.max_prompt_tokens}")
+    _validate_eval(config)
     _require(config.model.d_model % config.model.n_heads == 0, "model.n_heads",
              f"must divide model.d_model ({config.model.d_model})")
     _require(config.model.max_len >= 2 * task.max_digits + 2, "model.max_len",
@@ -673,6 +693,26 @@ def validate(config: Config) -> None:
              f"must be >= 0 (0 = never), got {tel.sample_every_steps}")
     _require(tel.sample_rows >= 1, "telemetry.sample_rows", f"must be >= 1, got {tel.sample_rows}")
     _warn_if_beyond_the_window(config)
+
+
+def _validate_eval(config: Config) -> None:
+    ev = config.eval
+    if not ev.path:
+        return
+    _require(Path(ev.path).is_file(), "eval.path", f"{ev.path} is not a file")
+    _require(Path(ev.path).suffix in (".jsonl", ".parquet"), "eval.path",
+             f"must be a .jsonl or .parquet file (read with the task's fields), got {ev.path}")
+    _require(config.task.name in DATASET_TASKS, "eval.path",
+             f"evaluates a dataset task's held-out prompts with its fields and template; task.name = "
+             f"{config.task.name!r} is a built-in")
+    _require(ev.every_steps >= 0, "eval.every_steps", f"must be >= 0 (0: never during training), got {ev.every_steps}")
+    _require(ev.samples_per_prompt >= 1, "eval.samples_per_prompt", f"must be >= 1, got {ev.samples_per_prompt}")
+    _require(ev.temperature >= 0, "eval.temperature", f"must be >= 0 (0: greedy), got {ev.temperature}")
+    _require(ev.temperature > 0 or ev.samples_per_prompt == 1, "eval.samples_per_prompt",
+             f"greedy decoding (eval.temperature = 0) gives one sample a prompt, got {ev.samples_per_prompt}")
+    _require(ev.max_prompts >= 0, "eval.max_prompts", f"must be >= 0 (0: all), got {ev.max_prompts}")
+    _require(config.generation.backend != "synthetic", "eval.path",
+             "the synthetic backend generates random tokens: there is nothing to evaluate")
 
 
 def _warn_if_beyond_the_window(config: Config) -> None:

@@ -9,18 +9,18 @@ Tasks (each named for what it does):
   configured rewards; waits out a reward service's outage
 * ``committer``       (``Rollouts.committer``) stages siblings that finish before their group, and
   commits finished groups once scored whole; generation never waits for either
-* ``train_pump``      (the host task) selects groups, trains, syncs weights; takes due checkpoints
+* ``train_pump``      (the host task) selects groups, trains, syncs weights; at step boundaries takes due
+  checkpoints and held-out evaluations (``scd.evaluation``)
 * ``checkpoint_scheduler`` turns the interval and SIGUSR1 into a checkpoint due at the next step
   boundary; ``checkpoint_writer`` writes bundles, one at a time
 * ``drain``           on shutdown, puts the drain deadline on the train pump's cancel scope
 * ``http``, ``watchdog``, ``loop_probe``, ``stall_watch``, ``telemetry`` (``scd.watch``), ``goodput``
   (``scd.goodput``): observation
 
-The controller wires parts together: the state a checkpoint captures and every
-mutation of it live in ``scd.state``, a group's life from admission to commit in
-``scd.rollouts``, restore in ``scd.checkpoint.restore``, observation in ``scd.watch``.  Shutdown is one event
-passed in (``Triggers.shutdown``; tests need no real signals): the rollout pump
-stops admitting, the train pump stops at its next step boundary or at the drain
+The controller wires parts together: the state a checkpoint captures and every mutation of it live in
+``scd.state``, a group's life from admission to commit in ``scd.rollouts``, restore in ``scd.checkpoint.restore``,
+observation in ``scd.watch``.  Shutdown is one event passed in (``scd.triggers.Triggers.shutdown``; tests need no
+real signals): the rollout pump stops admitting, the train pump stops at its next step boundary or at the drain
 deadline, then the last checkpoint is written and must succeed.
 """
 
@@ -31,7 +31,6 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import anyio
@@ -45,6 +44,7 @@ from scd.checkpoint.restore import RestoreParts, RestoreReport, restore_state
 from scd.cluster import Cluster
 from scd.config import Config
 from scd.dataplane import DataPlane
+from scd.evaluation import Evaluation, eval_prompts
 from scd.generation import open_backend
 from scd.generation.base import GenerationBackend, GroupRequest
 from scd.generation.tokens import TokenCounter
@@ -62,23 +62,12 @@ from scd.telemetry import metrics
 from scd.telemetry.tracker_hub import event_log
 from scd.training.base import Trainer
 from scd.training.group import open_trainer
+from scd.triggers import Triggers
 from scd.watch import CompletionSampler, Watch
 
 log = logging.getLogger(__name__)
 
 DRAIN_DEADLINE_S = 30.0
-
-
-@dataclass(slots=True)
-class Triggers:
-    """What the outside world can ask of a running controller (signals in production, tests directly)."""
-
-    shutdown: anyio.Event = field(default_factory=anyio.Event)
-    checkpoint_now: anyio.Event = field(default_factory=anyio.Event)
-
-    def request_checkpoint(self) -> None:
-        """Several requests before the scheduler takes one coalesce into one checkpoint."""
-        self.checkpoint_now.set()
 
 
 def _observe_blocked_mutation(kind: MutationKind, waited_s: float) -> None:
@@ -88,7 +77,8 @@ def _observe_blocked_mutation(kind: MutationKind, waited_s: float) -> None:
 
 class Controller:
     def __init__(self, config: Config, dataplane: DataPlane, backend: GenerationBackend, policy: Policy,
-                 prompts: list[RenderedPrompt], trainer: Trainer, scorer: Scorer) -> None:
+                 prompts: list[RenderedPrompt], trainer: Trainer, scorer: Scorer,
+                 held_out: list[RenderedPrompt]) -> None:
         self.config = config
         self.dataplane = dataplane
         self.backend = backend
@@ -106,6 +96,7 @@ class Controller:
         self.watch = Watch(config, self.state, self.rollouts, self.goodput, self.tokens, trainer, dataplane,
                            self.events, self.checkpointer, lambda: self.ready, self.rollouts.scoring,
                            CompletionSampler(prompts, policy.decode, config.telemetry.sample_rows))
+        self.evaluation = Evaluation(config, held_out, backend, scorer, policy) if held_out else None
         self.metrics_port: int | None = None
         self.ready = False
         self._shutdown = anyio.Event()
@@ -131,6 +122,7 @@ class Controller:
         scorer = load_rewards(config.task, config_dir or Path.cwd())
         policy = build_policy(config.model, config.run.seed)
         task = await anyio.to_thread.run_sync(render_task, config, policy)
+        held_out = await anyio.to_thread.run_sync(eval_prompts, config, policy) if config.eval.path else []
         metrics.prompts_dropped.labels("overlong").inc(task.dropped_overlong)
         async with (contextlib.aclosing(scorer), Cluster.open(config) as cluster,
                     DataPlane.open(config.data_plane) as dataplane):
@@ -141,7 +133,7 @@ class Controller:
             serving = await open_backend(config, policy) if backend is None else backend
             try:
                 async with open_trainer(config, policy) as trainer:
-                    controller = cls(config, dataplane, serving, policy, task.prompts, trainer, scorer)
+                    controller = cls(config, dataplane, serving, policy, task.prompts, trainer, scorer, held_out)
                     async with controller.events:  # closing it waits (bounded, off the loop) for the trackers
                         await serving.update_weights(controller.trainer.live_weights(),
                                                      controller.state.weight_version)
@@ -239,8 +231,7 @@ class Controller:
                 for group, rows in zip(batch, stored, strict=True)]
 
     async def train_step(self, batch: list[GroupMeta], groups: list[list[Rollout]]) -> None:
-        # The step is applied whole or not at all: a drain deadline must not leave trained
-        # weights behind an unadvanced step counter.
+        # Applied whole or not at all: a drain deadline must not leave trained weights behind an unadvanced step.
         with anyio.CancelScope(shield=True):
             await self._apply_step(batch, groups)
 
@@ -262,6 +253,7 @@ class Controller:
         A due checkpoint is taken at the boundary where the pump finds it, so the
         policy files describe exactly the step the cut describes.
         """
+        await self.evaluate_if_due(max_steps)
         while self.state.trainer_step < max_steps and not self._shutdown.is_set():
             if self._checkpoint_due is not None and self.checkpointer is not None:
                 trigger, self._checkpoint_due = self._checkpoint_due, None
@@ -276,6 +268,14 @@ class Controller:
                 groups = await self.read_batch(batch) if batch else []
             if batch:
                 await self.train_step(batch, groups)
+                await self.evaluate_if_due(max_steps)
+
+    async def evaluate_if_due(self, last_step: int) -> None:
+        """This boundary's held-out evaluation if one is due; a checkpoint falls due after it, which records it."""
+        evaluated = self.evaluation is not None and await self.evaluation.at_boundary(
+            self.state, last_step, self.goodput, self.events)
+        if evaluated and self.checkpointer is not None:
+            self._checkpoint_due = self._checkpoint_due or Trigger.EVAL
 
     async def checkpoint_scheduler(self, triggers: Triggers) -> None:
         """Every ``interval_s``, or at once on request: a checkpoint falls due at the next step boundary."""

@@ -12,6 +12,7 @@ class ScdError(Exception):
     """Base of scd's own errors; ``exit_code`` is what the CLI exits with."""
 
     exit_code = EXIT_OTHER
+    reported = False  # printed already: the CLI says it once, before a teardown that may end the process
 
 
 class ConfigError(ScdError):

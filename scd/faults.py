@@ -29,11 +29,11 @@ POINTS = (
     "before_barrier", "in_exclusive_hold", "post_cut_commit", "after_tq_save", "during_deferred_clear",
     "mid_sidecar_write", "before_finalize_rename",
     "after_finalize_before_latest", "during_retention", "during_restore_tq_load", "during_restore_index",
-    "before_dispatch", "mid_weight_broadcast", "during_weight_reload",
+    "before_dispatch", "mid_weight_broadcast", "during_weight_reload", "during_eval",
     "tensorboard_log", "wandb_log", "mlflow_log",
 )
 ACTIONS = ("exit", "enospc", "block", "fail", "slow")
-EVENT_LOOP_POINTS = ("before_dispatch", "in_exclusive_hold")  # passed with ``wait_at``
+EVENT_LOOP_POINTS = ("before_dispatch", "in_exclusive_hold", "during_eval")  # passed with ``wait_at``
 TRACKER_POINTS = ("tensorboard_log", "wandb_log", "mlflow_log")  # passed in a tracker's process: they may block
 SLOW_S = 0.5
 

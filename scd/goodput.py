@@ -16,10 +16,13 @@ waits for a batch: reads, steps, weight syncs, checkpoints); generation makes R_
 second, summed over engines.  Within
 the staleness window generation may run ahead of the trainer only by what the window holds, so in
 a steady state it can usefully make only what the trainer takes: an engine busy more than
-min(1, R_t / R_g) of the time generates waste.  Both rates are estimated over the same sliding
-window, and ``scd_engine_busy_bound`` is that minimum.  Paced admission (``Rollouts.has_capacity``)
-is what lets generation reach it without waste.  R_g is measured at the occupancy the engine had
-when busy: an engine that is faster when fuller than the run keeps it is credited with less.
+min(1, R_t / R_g) of the time generates waste.  Held-out evaluation is a row of its own: its seconds are
+taken out of the window (engines, trainer and wall clock alike: the trainer waits for it, the engines
+serve it) and its tokens out of the generated ones, so neither the ratios nor the bound count it.  Both
+rates are estimated over the same sliding window, and ``scd_engine_busy_bound`` is that minimum.  Paced
+admission (``Rollouts.has_capacity``) is what lets generation reach it without waste.  R_g is measured at
+the occupancy the engine had when busy: an engine that is faster when fuller than the run keeps it is
+credited with less.
 """
 
 from __future__ import annotations
@@ -53,6 +56,8 @@ class _Sample:
     trained_groups: int
     trained_group_tokens: int  # completion tokens of every trained group (what converts R_g to groups)
     trainer_starved_s: float  # time the trainer waited for a batch
+    eval_s: float  # time held-out evaluation ran
+    eval_tokens: int  # tokens it generated
 
 
 def share_of_generated(tokens: int, generated_tokens: int) -> float:
@@ -101,6 +106,8 @@ class GoodputMeter:
         self._trained_groups = self._trained_group_tokens = 0
         self._own_trained_tokens = 0  # of groups this run committed: its goodput
         self._trainer_starved = BusyClock()
+        self._evaluating = BusyClock()
+        self._eval_tokens = 0
         self.risk = WorkAtRisk(rollouts, backend, tokens)
         self._started_wall = time.time()
         self._generated_at_start = self._wasted_at_start = 0
@@ -117,7 +124,7 @@ class GoodputMeter:
     def start(self) -> None:
         """Measure from now: this run's tokens only (a restore's waste is its own event's)."""
         self._started_wall = time.time()
-        self._generated_at_start = sum(e.generated_tokens for e in self._backend.engine_activity())
+        self._generated_at_start = sum(e.generated_tokens for e in self._backend.engine_activity()) - self._eval_tokens
         self._wasted_at_start = self._rollouts.statistics().wasted_tokens
         self._own_trained_tokens = 0
         self._samples.clear()
@@ -139,6 +146,16 @@ class GoodputMeter:
         with self._trainer_starved.request():
             yield
 
+    @contextmanager
+    def evaluating(self) -> Iterator[None]:
+        """Held while a held-out evaluation runs: its time is booked apart from training's."""
+        with self._evaluating.request():
+            yield
+
+    def on_eval(self, tokens: int) -> None:
+        """An evaluation generated ``tokens``: not training's, not waste."""
+        self._eval_tokens += tokens
+
     def on_train_step(self, batch: Sequence[GroupMeta]) -> GoodputReading:
         """A step trained ``batch``."""
         tokens = sum(group.completion_tokens for group in batch)
@@ -151,7 +168,8 @@ class GoodputMeter:
     def sample(self) -> GoodputReading:
         now = time.monotonic()
         current = _Sample(now, {e.engine: e for e in self._backend.engine_activity()}, self._trained_groups,
-                          self._trained_group_tokens, self._trainer_starved.seconds())
+                          self._trained_group_tokens, self._trainer_starved.seconds(), self._evaluating.seconds(),
+                          self._eval_tokens)
         self._samples.append(current)
         # Keep the newest sample at or before the window's start: the window spans it in full.
         while len(self._samples) > 2 and self._samples[1].at <= now - self._window_s:
@@ -161,22 +179,25 @@ class GoodputMeter:
         return reading
 
     def _reading(self, before: _Sample, after: _Sample) -> GoodputReading:
-        elapsed = after.at - before.at
-        busy = {name: self._busy_delta(before, engine) for name, engine in after.engines.items()}
+        eval_s = after.eval_s - before.eval_s
+        elapsed = after.at - before.at - eval_s
+        busy = {name: max(0.0, self._busy_delta(before, engine) - eval_s) for name, engine in after.engines.items()}
         ratios = {name: min(1.0, seconds / elapsed) if elapsed > 0 else 0.0 for name, seconds in busy.items()}
         trained = after.trained_groups - before.trained_groups
         trainer_busy = elapsed - (after.trainer_starved_s - before.trainer_starved_s)
+        eval_tokens_each = (after.eval_tokens - before.eval_tokens) / max(1, len(after.engines))
         if trained and trainer_busy > 0:
             self._trainer_rate = trained / trainer_busy
             self._tokens_per_group = (after.trained_group_tokens - before.trained_group_tokens) / trained
         tokens_per_busy_s = sum(
-            (engine.generated_tokens - before.engines[name].generated_tokens) / busy[name]
+            (engine.generated_tokens - before.engines[name].generated_tokens - eval_tokens_each) / busy[name]
             for name, engine in after.engines.items() if name in before.engines and busy[name] > 0)
         if tokens_per_busy_s > 0 and self._tokens_per_group:
             self._generation_rate = tokens_per_busy_s / self._tokens_per_group
         bound = (min(1.0, self._trainer_rate / self._generation_rate)
                  if self._trainer_rate is not None and self._generation_rate else None)
-        generated = sum(e.generated_tokens for e in after.engines.values()) - self._generated_at_start
+        generated = (sum(e.generated_tokens for e in after.engines.values()) - after.eval_tokens
+                     - self._generated_at_start)
         return GoodputReading(
             engine_busy_ratio=ratios, engine_busy_bound=bound, trainer_groups_per_s=self._trainer_rate,
             generation_groups_per_s=self._generation_rate, generated_tokens=generated,

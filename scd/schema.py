@@ -71,6 +71,7 @@ class Trigger(enum.StrEnum):
     SIGNAL = "signal"
     SHUTDOWN = "shutdown"
     FINAL = "final"
+    EVAL = "eval"  # after a held-out evaluation: the bundle records that its step was evaluated
 
 
 class Outcome(enum.StrEnum):
@@ -150,6 +151,8 @@ class TrainingInfo(_Document):
     # What took the bundle ("" before it was recorded): a restore from any but a clean exit's
     # ("final", "shutdown") follows a crash.
     trigger: str = ""
+    # The steps a held-out evaluation finished at (scd.evaluation): each is evaluated once across restores.
+    evaluated_steps: list[int] = msgspec.field(default_factory=list)
 
 
 class LedgerEntryRecord(msgspec.Struct, array_like=True, forbid_unknown_fields=True):

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Awaitable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import anyio
@@ -68,6 +68,7 @@ class Cut:
     captured_at: float
     fates: FateCounts
     run: RunIdentity
+    evaluated_steps: list[int]
 
     def keys(self) -> set[str]:
         """Every TQ key the cut names: its ready groups and its in-flight groups' staged siblings."""
@@ -89,6 +90,7 @@ class Restored:
     run: RunIdentity | None  # None from a bundle that predates it: the run keeps a new identity
     # The bundle is not a clean exit's (its trigger not final or shutdown): a crash came before this restore.
     after_crash: bool = True
+    evaluated_steps: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,6 +122,7 @@ class ControllerState:
         self.evicted_stale = 0
         self.fates = PromptFates(PromptBuckets.single(num_prompts))
         self.run = new_run_identity()
+        self.evaluated_steps: list[int] = []  # held-out evals finished (scd.evaluation.EvalSchedule)
         self._run_clock = time.monotonic()  # when this process's share of the run's seconds began
         self._rows = rows
 
@@ -269,7 +272,12 @@ class ControllerState:
             sampler_state=self.sampler.state(), supports_replay_checkpoint=self.sampler.supports_replay_checkpoint,
             replay_digest=self.replay.digest(), captured_at=time.time(), fates=self.fates.counts(),
             run=msgspec.structs.replace(self.run, run_s=self.run_seconds()),
+            evaluated_steps=list(self.evaluated_steps),
         )
+
+    def note_evaluated(self, step: int) -> None:
+        """A held-out evaluation of ``step`` finished: every later cut records it (``EvalSchedule``)."""
+        self.evaluated_steps.append(step)
 
     def run_seconds(self) -> float:
         """How long the logical run has run, across its processes: the restored cut's seconds, then this
@@ -292,6 +300,7 @@ class ControllerState:
         self.replay = restored.index
         self.fates.load(restored.fates)
         self.run = restored.run or self.run
+        self.evaluated_steps = list(restored.evaluated_steps)
         self._run_clock = time.monotonic()
         if restored.shadow:
             self.sampler.load_state({"dispatched": self.trainer_step * self.sampler.groups_per_step})

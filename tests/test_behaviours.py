@@ -28,13 +28,14 @@ import pytest
 from scd.checkpoint import layout
 from scd.checkpoint.verify import verify_bundle
 from scd.config import load_config
-from scd.daemon import Controller, Triggers
+from scd.daemon import Controller
 from scd.errors import DataPlaneError, InvariantViolation
 from scd.ledger import DropReason, PromptState
 from scd.records import Completion, FinishReason
 from scd.replay import GroupMeta
 from scd.schema import Outcome, Trigger
 from scd.telemetry.http import open_listener, serve_http
+from scd.triggers import Triggers
 from tests.conftest import ScdProcess, free_port, tree_digest, write_config
 from tests.support.bundles import reseal
 from tests.support.configs import config_for

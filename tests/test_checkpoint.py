@@ -25,11 +25,12 @@ from scd.checkpoint import layout
 from scd.checkpoint.checkpointer import CheckpointFailed
 from scd.checkpoint.restore import keep_history_linear, resolve_bundle
 from scd.checkpoint.verify import BundleError, verify_bundle
-from scd.daemon import Controller, Triggers
+from scd.daemon import Controller
 from scd.errors import ConfigError, InvariantViolation
 from scd.ledger import PromptState
 from scd.replay import GroupMeta, ReplayIndex
 from scd.schema import Outcome, Trigger
+from scd.triggers import Triggers
 from tests.conftest import REPO, SCD, tiny_config, toml_text, tree_digest
 from tests.support.bundles import copy_bundles, edit_json, reseal
 from tests.support.tq import clear_partition

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from scd.barrier import CheckpointBarrier
-from scd.daemon import Controller, Triggers
+from scd.daemon import Controller
 from scd.dataplane import DataPlane
 from scd.ledger import PromptState
 from scd.model.policy import build_policy
@@ -22,6 +22,7 @@ from scd.rollouts import Rollouts
 from scd.samplers import build_sampler
 from scd.state import ControllerState
 from scd.training.grpo import GRPOTrainer
+from scd.triggers import Triggers
 from tests.conftest import tiny_config
 
 

@@ -25,7 +25,7 @@ from prometheus_client import REGISTRY
 
 from scd.checkpoint import layout
 from scd.checkpoint.verify import verify_bundle
-from scd.daemon import Controller, Triggers
+from scd.daemon import Controller
 from scd.dataplane import DataPlane
 from scd.errors import ConfigError, DataPlaneError, InvariantViolation
 from scd.generation.base import GroupRequest, GroupResult
@@ -33,6 +33,7 @@ from scd.ledger import PromptState
 from scd.records import Completion, FinishReason, Rollout
 from scd.schema import Outcome, Trigger
 from scd.telemetry.events import Event, TrainStep
+from scd.triggers import Triggers
 from tests.conftest import tree_digest
 from tests.support.bundles import copy_bundles, reseal
 from tests.support.configs import CHECKPOINTING, config_for

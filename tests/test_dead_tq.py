@@ -48,8 +48,8 @@ def test_hung_tq_times_out_and_exits_non_zero(tmp_path: Path, scd_processes: lis
     code = scd.wait(timeout=90)
     assert code == 1, scd.output()[-3000:]
     assert time.monotonic() - stopped < 60
-    assert "timed out after" in scd.output()
-    assert "is TQ (Ray) alive?" in scd.output()
+    assert "timed out after" in scd.output(), scd.output()[-6000:]
+    assert "is TQ (Ray) alive?" in scd.output(), scd.output()[-6000:]
 
 
 def test_main_returns_its_code_in_process_even_after_an_abandoned_call(tmp_path: Path,

@@ -25,13 +25,14 @@ from scd.barrier import CheckpointBarrier, MutationKind
 from scd.checkpoint import layout
 from scd.checkpoint.verify import verify_bundle
 from scd.config import load_config, parse_config
-from scd.daemon import Controller, Triggers
+from scd.daemon import Controller
 from scd.errors import ConfigError, InvariantViolation
 from scd.ledger import PromptState
 from scd.replay import GroupMeta, ReplayIndex, group_hash, require_exact_inventory
 from scd.samplers import WeightFifoSampler, build_sampler
 from scd.schema import Outcome, Trigger
 from scd.telemetry.events import Event, Sample
+from scd.triggers import Triggers
 from tests.conftest import REPO, SCD, tiny_config
 from tests.support.bundles import edit_json
 from tests.support.configs import config_for

@@ -12,13 +12,13 @@ from tests.conftest import REPO
 PACKAGE = REPO / "scd"
 # The layering documented at the top of scd/__init__.py, bottom to top.
 LAYERS: dict[str, int] = {
-    "config": 1, "errors": 1, "records": 1, "tasks": 1, "faults": 1,
+    "config": 1, "errors": 1, "records": 1, "tasks": 1, "faults": 1, "triggers": 1,
     "ledger": 2, "replay": 2, "skew": 2, "samplers": 2, "dataloader": 2, "barrier": 2, "schema": 2, "state": 2,
     "model": 3,
     "cluster": 4, "dataplane": 4, "training": 4, "generation": 4, "telemetry": 4, "rewards": 4, "systemd": 4,
     "reaper": 4,
     "rollouts": 5, "scoring": 5, "goodput": 5, "risk": 5,
-    "checkpoint": 6,
+    "checkpoint": 6, "evaluation": 6,
     "daemon": 7, "watch": 7,
     "cli": 8, "report": 8,
 }

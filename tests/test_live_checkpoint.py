@@ -15,13 +15,14 @@ import torch
 
 from scd.checkpoint import layout
 from scd.config import DataPlaneConfig
-from scd.daemon import Controller, Triggers
+from scd.daemon import Controller
 from scd.dataplane import DataPlane
 from scd.generation.base import GroupRequest, GroupResult
 from scd.ledger import PromptState
 from scd.model.policy import SPECIAL_TOKENS, TinyPolicy
 from scd.records import Completion, FinishReason
 from scd.schema import Outcome, Sidecar, Trigger, decode
+from scd.triggers import Triggers
 from tests.conftest import tiny_config
 from tests.support.scores import ZERO_SCORES
 

@@ -18,8 +18,9 @@ from scd import faults
 from scd.checkpoint.interval import CheckpointInterval, young_daly
 from scd.checkpoint.restore import after_a_crash
 from scd.config import CheckpointingConfig, parse_config
-from scd.daemon import Controller, Triggers
+from scd.daemon import Controller
 from scd.schema import RunIdentity, TrainingInfo
+from scd.triggers import Triggers
 from tests.conftest import tiny_config
 
 MTBF_S, MIN_S, MAX_S = 20.0, 0.2, 2.5

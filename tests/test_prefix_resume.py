@@ -15,11 +15,12 @@ import pytest
 from scd.checkpoint import layout
 from scd.checkpoint.restore import RestoreReport
 from scd.checkpoint.verify import BundleError
-from scd.daemon import Controller, Triggers
+from scd.daemon import Controller
 from scd.dataplane import DataPlane
 from scd.generation.base import GenerationBackend, GroupRequest
 from scd.records import Completion
 from scd.schema import FinishedSiblingRecord, PrefixRecord, Sidecar, decode
+from scd.triggers import Triggers
 from tests.conftest import tiny_config
 from tests.support.bundles import edit_json
 

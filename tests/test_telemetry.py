@@ -13,8 +13,9 @@ from prometheus_client import REGISTRY
 from prometheus_client.parser import text_string_to_metric_families
 
 from scd.checkpoint import layout
-from scd.daemon import Controller, Triggers
+from scd.daemon import Controller
 from scd.schema import RestorePhase
+from scd.triggers import Triggers
 from tests.conftest import REPO, SCD, ScdProcess, free_port, tiny_config, write_config
 from tests.test_process import scrape
 

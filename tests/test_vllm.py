@@ -28,7 +28,7 @@ from scd import faults
 from scd.checkpoint import layout
 from scd.checkpoint.verify import verify_bundle
 from scd.config import Config, derive_config, parse_config
-from scd.daemon import Controller, Triggers
+from scd.daemon import Controller
 from scd.errors import InvariantViolation
 from scd.generation.base import GroupRequest, GroupResult
 from scd.generation.tokens import TokenCounter
@@ -37,6 +37,7 @@ from scd.generation.vllm_engine import EngineFailed
 from scd.ledger import PromptState
 from scd.model.policy import HFPolicy, state_copy
 from scd.records import COMPLETE, Completion
+from scd.triggers import Triggers
 from tests.conftest import REPO, ScdProcess, vllm_cpu_config
 from tests.support.engines import engines_paused, running_requests, worker_parameters
 from tests.support.scores import ZERO_SCORES

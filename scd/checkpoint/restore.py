@@ -319,6 +319,7 @@ async def restore_state(config: Config, parts: RestoreParts, restore_from: Path 
         step=info.step, weight_version=info.weight_version, dataloader=dataloader, index=index,
         ledger=verified.ledger, sampler_state=sidecar.sampler.state, shadow=shadow, fates=sidecar.prompt_fates,
         run=after_a_crash(info) if info.run is not None else None, after_crash=not clean_exit(info),
+        evaluated_steps=info.evaluated_steps,
     ))
     clock.lap(RestorePhase.LEDGER)
 

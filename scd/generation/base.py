@@ -47,6 +47,9 @@ class GroupRequest:
     # (sibling index, prefix) for siblings a restore resumes: generated on from the prefix, at most
     # max_tokens - len(prefix) more tokens.  Only backends that are ``resumable`` are given any.
     prefixes: tuple[tuple[int, Prefix], ...] = ()
+    # The sampling temperature when not generation.temperature (an eval's; 0: greedy).  Its logprobs are of
+    # that distribution: such a request is never trained on.
+    temperature: float | None = None
 
     def prefix_of(self, index: int) -> Prefix | None:
         return next((p for i, p in self.prefixes if i == index), None)

@@ -6,6 +6,7 @@ import threading
 import time
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 
 import anyio
 import torch
@@ -84,13 +85,14 @@ class TorchBackend:
     def _sample_groups(self, requests: Sequence[GroupRequest]) -> list[GroupResult]:
         version = self._version
         # Groups whose prompt length and token budget match share one batched forward pass.
-        by_shape: dict[tuple[int, int], list[GroupRequest]] = defaultdict(list)
+        by_shape: dict[tuple[int, int, float | None], list[GroupRequest]] = defaultdict(list)
         for req in requests:
-            by_shape[(len(req.prompt_ids), req.max_tokens)].append(req)
+            by_shape[(len(req.prompt_ids), req.max_tokens, req.temperature)].append(req)
         results: dict[str, GroupResult] = {}
-        for (_, max_tokens), reqs in by_shape.items():
+        for (_, max_tokens, temperature), reqs in by_shape.items():
             prompts = torch.tensor([req.prompt_ids for req in reqs for _ in req.siblings], dtype=torch.int64)
-            sampled = iter(self._sample(prompts, max_tokens))
+            sampling = self._sampling if temperature is None else replace(self._sampling, temperature=temperature)
+            sampled = iter(self._sample(prompts, max_tokens, sampling))
             for req in reqs:
                 completions = [Completion(tokens, logprobs, finish, version)
                                for tokens, logprobs, finish in (next(sampled) for _ in req.siblings)]
@@ -99,7 +101,8 @@ class TorchBackend:
                     self._tokens += sum(len(c.token_ids) for c in completions)
         return [results[req.group_id] for req in requests]
 
-    def _sample(self, prompts: torch.Tensor, max_tokens: int) -> list[tuple[list[int], list[float], FinishReason]]:
+    def _sample(self, prompts: torch.Tensor, max_tokens: int,
+                sampling: Sampling) -> list[tuple[list[int], list[float], FinishReason]]:
         """Each row's completion: until EOS (kept), a stop string in its text (the token that completed it
         kept, as vLLM keeps it) or ``max_tokens``.  Rows that have ended ride along until all have."""
         rows = prompts.shape[0]
@@ -110,8 +113,12 @@ class TorchBackend:
         head = self._policy.output_head(self._model)
         for step in range(max_tokens):
             # Only the last position is projected to the vocabulary: the one whose next token is drawn.
-            logp = self._sampling.logprobs(head(self._policy.hidden(self._model, tokens)[:, -1]).float())
-            nxt = torch.multinomial(logp.exp(), 1, generator=self._rng)
+            logits = head(self._policy.hidden(self._model, tokens)[:, -1]).float()
+            if sampling.temperature == 0:  # greedy: the likeliest token, logprob 0 under the point mass
+                nxt, logp = logits.argmax(-1, keepdim=True), torch.zeros_like(logits)
+            else:
+                logp = sampling.logprobs(logits)
+                nxt = torch.multinomial(logp.exp(), 1, generator=self._rng)
             logprobs = torch.cat([logprobs, logp.gather(-1, nxt)], dim=1)
             tokens = torch.cat([tokens, nxt], dim=1)
             for row in (r for r in range(rows) if ended[r] is None):

@@ -178,7 +178,8 @@ class VLLMBackend:
         n, max_tokens = len(part.siblings), part.request.max_tokens - part.resumed_from
         gen = self._generation
         params = self._vllm.SamplingParams(
-            n=n, temperature=gen.temperature, top_p=gen.top_p, top_k=gen.top_k, max_tokens=max_tokens, logprobs=0,
+            n=n, temperature=gen.temperature if part.request.temperature is None else part.request.temperature,
+            top_p=gen.top_p, top_k=gen.top_k, max_tokens=max_tokens, logprobs=0,
             stop=gen.stop, output_kind=self._vllm.sampling_params.RequestOutputKind.DELTA,
             # Stop strings are found in the text; without them the tokens are all scd needs.
             detokenize=bool(gen.stop),

@@ -49,9 +49,10 @@ class PromptLimit:
     why: str  # where the number comes from, for the error that quotes it
 
 
-def render_task(config: Config, policy: Policy) -> RenderedTask:
-    """The task's prompts as token ids, overlong ones refused or dropped (blocking: call it off the loop)."""
-    task = config.task
+def render_task(config: Config, policy: Policy, task: TaskConfig | None = None) -> RenderedTask:
+    """The task's prompts (``task``'s: another file read as the task's, the eval's) as token ids, overlong ones
+    refused or dropped (blocking: call it off the loop)."""
+    task = task or config.task
     limit = prompt_limit(config, policy)
     template = chat_template(task, policy)
     if task.system_prompt and template is None:

@@ -332,8 +332,9 @@ class Scorer:
                                  pool=WorkerPool(resolved.pooled, resolved.base_dir, workers))
         self._logged_causes: set[tuple[str, str]] = set()
 
-    async def score(self, inputs: Sequence[RewardInput]) -> list[Scored]:
-        """Every completion's reward, in the order given.  Raises ``RewardError`` for a failed call unless
+    async def score(self, inputs: Sequence[RewardInput], *, observe: bool = True) -> list[Scored]:
+        """Every completion's reward, in the order given; ``observe``: into the reward histogram (training's,
+        not an eval's).  Raises ``RewardError`` for a failed call unless
         ``task.reward_errors = "zero"``, and ``RewardUnavailable`` when an HTTP reward's service did not answer."""
         items = list(inputs)
         outcomes = await _gather([partial(reward.evaluate, items, self._context) for reward in self._rewards])
@@ -354,9 +355,9 @@ class Scorer:
             reward, item, failure = failures[0]
             raise RewardError(reward.name, reward.function, item.prompt_id, failure.cause, failure.detail)
         self._counts.errors_zeroed += len(failures)
-        return [self._combined([by_item[index] for by_item in outcomes]) for index in range(len(items))]
+        return [self._combined([by_item[index] for by_item in outcomes], observe) for index in range(len(items))]
 
-    def _combined(self, outcomes: Sequence[Outcome]) -> Scored:
+    def _combined(self, outcomes: Sequence[Outcome], observe: bool) -> Scored:
         total = 0.0
         components: dict[str, float] = {}
         for reward, outcome in zip(self._rewards, outcomes, strict=True):
@@ -371,8 +372,9 @@ class Scorer:
                 score = outcome
                 parts = {reward.name: outcome}
             total += reward.weight * score
-            for name, value in parts.items():
-                metrics.reward.labels(name=name).observe(value)
+            if observe:
+                for name, value in parts.items():
+                    metrics.reward.labels(name=name).observe(value)
             components.update(parts)
         return Scored(total=total, components=components)
 

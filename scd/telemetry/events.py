@@ -126,6 +126,20 @@ class Completions(Event, tag="completions", kw_only=True):
     rows: list[SampleRow]
 
 
+class Eval(Event, tag="eval", kw_only=True):
+    """A held-out evaluation at a step (``[eval]``): its samples' mean reward and unbiased pass@k."""
+
+    weight_version: int
+    prompts: int
+    samples_per_prompt: int
+    reward_mean: float
+    pass_at_k: dict[str, float]  # by k (as text: a JSON key), 1 and the powers of 2 up to samples_per_prompt
+    reward_components: dict[str, float]  # each reward's (and part's) unweighted mean, by name
+    seconds: float
+    tokens: int
+    rows: list[SampleRow]  # a few samples, the first sample of the first prompts
+
+
 class Sample(Event, tag="sample", kw_only=True):
     """The telemetry interval's gauges."""
 
@@ -149,7 +163,7 @@ class Stall(Event, tag="stall", kw_only=True):
     replay_groups: int
 
 
-TRACKED = (TrainStep, Checkpoint, Restore, Completions)  # what experiment trackers show
+TRACKED = (TrainStep, Checkpoint, Restore, Completions, Eval)  # what experiment trackers show
 
 
 def tag_of(kind: type[Event]) -> str:

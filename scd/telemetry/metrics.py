@@ -104,6 +104,12 @@ wasted_tokens = Counter(
 for _reason in WasteReason:
     wasted_tokens.labels(_reason.value)
 trained_tokens = Counter("scd_trained_tokens", "Completion tokens of the groups trained")
+eval_reward_mean = Gauge("scd_eval_reward_mean", "Mean reward of the last held-out evaluation's samples")
+eval_pass_at_k = Gauge("scd_eval_pass_at_k", "Unbiased pass@k of the last held-out evaluation", ["k"])
+eval_step = Gauge("scd_eval_step", "Trainer step of the last held-out evaluation (-1: none yet)")
+eval_seconds = Counter("scd_eval_seconds", "Seconds spent evaluating: goodput's eval row, apart from training")
+eval_tokens = Counter("scd_eval_tokens", "Tokens generated for held-out evaluation: never trained, never waste")
+eval_step.set(-1)
 buffer_capacity_groups = Gauge(
     "scd_buffer_capacity_groups",
     "Ready plus in-flight groups: the configured limit, what the staleness window can use, what admission allows",

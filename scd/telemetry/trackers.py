@@ -1,9 +1,10 @@
 """Experiment trackers (TensorBoard, Weights & Biases, MLflow): what each one is given, and how.
 
 ``telemetry.trackers`` lists them.  Each gets the numbers of every ``train_step`` event (``train/...``:
-the same scalars, the skew figure included), and of ``checkpoint`` and ``restore`` events: outcomes
-(``checkpoint/completed`` = 1, ...), phases (``checkpoint/phases/tq_save``, ...) and recovery counts
-(``restore/groups_restored``, ...); and the rows of ``completions`` events, what the policy wrote
+the same scalars, the skew figure included), and of ``checkpoint``, ``restore`` and ``eval`` events: outcomes
+(``checkpoint/completed`` = 1, ...), phases (``checkpoint/phases/tq_save``, ...), recovery counts
+(``restore/groups_restored``, ...) and held-out results (``eval/reward_mean``, ``eval/pass_at_k/4``, ...); and
+the rows of ``completions`` events, what the policy wrote
 (TensorBoard: a text table, W&B: a table, MLflow: a JSON artifact per step), each only with its train step.
 Two axes: the trainer step, and ``time/run_s``, the wall-clock seconds since the logical run first started,
 which go on across restarts (each tracker's own timestamp is the event's absolute time).  W&B plots
@@ -36,7 +37,7 @@ import orjson
 from scd.config import MlflowConfig, TelemetryConfig, TensorBoardConfig, WandbConfig
 from scd.errors import ConfigError
 from scd.schema import Outcome, RunIdentity
-from scd.telemetry.events import Checkpoint, Completions, Restore, TrainStep, tag_of
+from scd.telemetry.events import Checkpoint, Completions, Eval, Restore, TrainStep, tag_of
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +54,7 @@ MODULES = {"tensorboard": "tensorboard.summary.writer.event_file_writer", "wandb
 # their scalars.
 _TRAIN_STEP, _CHECKPOINT, COMPLETIONS = tag_of(TrainStep), tag_of(Checkpoint), tag_of(Completions)
 _COMPLETION_COLUMNS = ("epoch", "prompt_id", "prompt", "completion", "answer", "reward")
-_PREFIXES = {_TRAIN_STEP: "train/", _CHECKPOINT: "checkpoint/", tag_of(Restore): "restore/"}
+_PREFIXES = {_TRAIN_STEP: "train/", _CHECKPOINT: "checkpoint/", tag_of(Restore): "restore/", tag_of(Eval): "eval/"}
 _AXES = frozenset({"event", "time", "step"})
 
 

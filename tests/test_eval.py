@@ -1,0 +1,164 @@
+"""Held-out evaluation (``[eval]``): pass@k, its schedule, real runs that evaluate at the start, every N steps
+and the last, exactly once across a SIGKILL, and ``scd eval`` on a bundle."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+from collections.abc import Sequence
+from pathlib import Path
+
+import anyio
+import orjson
+import pytest
+
+from scd.checkpoint import layout
+from scd.config import Config, EvalConfig
+from scd.evaluation import EvalSchedule, Evaluation, ks_for, pass_at_k
+from scd.generation.base import GroupRequest, GroupResult
+from scd.model.prompts import RenderedPrompt
+from scd.records import Completion, FinishReason
+from scd.rewards import RewardInput, Scored
+from scd.tasks import Prompt
+from tests.conftest import REPO, SCD, ScdProcess, write_config
+
+EXAMPLE = REPO / "examples" / "chat_reversal"
+
+
+def test_pass_at_k_is_the_unbiased_estimator() -> None:
+    # 1 - C(n - c, k) / C(n, k), by hand.
+    assert pass_at_k(4, 1, 1) == pytest.approx(0.25)
+    assert pass_at_k(4, 1, 2) == pytest.approx(1 - 3 / 6)
+    assert pass_at_k(5, 2, 2) == pytest.approx(1 - 3 / 10)
+    assert pass_at_k(10, 3, 4) == pytest.approx(1 - 35 / 210)
+    assert pass_at_k(4, 0, 4) == 0.0
+    assert pass_at_k(4, 1, 4) == 1.0
+    assert pass_at_k(4, 3, 2) == 1.0  # fewer failures than k: some pick always holds a pass
+    with pytest.raises(ValueError, match="1 <= k <= n"):
+        pass_at_k(4, 1, 5)
+    assert ks_for(1) == [1]
+    assert ks_for(4) == [1, 2, 4]
+    assert ks_for(6) == [1, 2, 4, 6]
+
+
+def test_the_schedule_evaluates_the_start_every_n_and_the_last_step_once_each() -> None:
+    schedule = EvalSchedule(every_steps=5, at_start=True)
+    assert [s for s in range(13) if schedule.due(s, 12, [])] == [0, 5, 10, 12]
+    assert [s for s in range(13) if schedule.due(s, 12, [0, 5])] == [10, 12]
+    assert [s for s in range(13) if EvalSchedule(0, False).due(s, 12, [])] == [12]
+
+
+class _Backend:
+    """Completions whose token ids say how many of each prompt's samples pass (pure logic: no model)."""
+
+    batch_groups = 2
+
+    def __init__(self, passing: Sequence[int]) -> None:
+        self.passing = passing
+        self.requests: list[GroupRequest] = []
+
+    async def generate(self, requests: Sequence[GroupRequest], on_sibling: object) -> list[GroupResult]:
+        self.requests.extend(requests)
+        return [GroupResult(req, [Completion((1,) if i < self.passing[req.prompt_id] else (0,), (0.0,),
+                                             FinishReason.EOS, 7) for i in req.siblings], end_weight_version=7)
+                for req in requests]
+
+
+class _Scorer:
+    async def score(self, inputs: Sequence[RewardInput], *, observe: bool = True) -> list[Scored]:
+        assert not observe  # an eval's rewards stay out of training's histogram
+        return [Scored(total=float(item.completion == "1"), components={"exact": float(item.completion == "1")})
+                for item in inputs]
+
+
+class _Policy:
+    def decode(self, token_ids: Sequence[int]) -> str:
+        return "".join(str(t) for t in token_ids)
+
+
+def test_an_evaluation_reports_the_hand_computed_pass_at_k_and_reward() -> None:
+    passing = [0, 1, 2, 4]  # of 4 samples, by prompt
+    prompts = [RenderedPrompt(Prompt(prompt_id=i, prompt=f"p{i}", answer="1", where=f"eval.jsonl:{i + 1}"),
+                              (5, 6), 4) for i in range(len(passing))]
+    config = Config(eval=EvalConfig(path="eval.jsonl", samples_per_prompt=4, temperature=0.7))
+    backend = _Backend(passing)
+    evaluation = Evaluation(config, prompts, backend, _Scorer(), _Policy())  # type: ignore[arg-type]
+    event = anyio.run(evaluation.run, 30, 7)
+    assert event.step == 30 and event.weight_version == 7
+    assert event.reward_mean == pytest.approx(sum(passing) / 16)
+    # pass@1 = mean c/n; pass@2 = mean of 1 - C(4-c, 2)/C(4, 2): c = 0, 1, 2, 4 -> 0, 1/2, 5/6, 1.
+    assert event.pass_at_k["1"] == pytest.approx((0 + 0.25 + 0.5 + 1) / 4)
+    assert event.pass_at_k["2"] == pytest.approx((0 + 0.5 + 5 / 6 + 1) / 4)
+    assert event.pass_at_k["4"] == pytest.approx(3 / 4)
+    assert event.reward_components == {"exact": pytest.approx(sum(passing) / 16)}
+    assert {r.temperature for r in backend.requests} == {0.7}
+    assert [r.siblings for r in backend.requests] == [(0, 1, 2, 3)] * 4
+    assert [row.completion for row in event.rows] == ["0", "1", "1", "1"]
+
+
+def eval_run_config(tmp_path: Path, session_ray: str, tiny_llama: Path, *, every_steps: int = 5) -> Path:
+    config = write_config(tmp_path, ray_address=session_ray, extra=f"""
+[eval]
+path = "{EXAMPLE / 'eval.jsonl'}"
+every_steps = {every_steps}
+samples_per_prompt = 4
+max_prompts = 8
+
+[checkpointing]
+enabled = true
+interval_s = 3600
+""")
+    text = config.read_text().replace('[task]\nname = "reverse"\nsize = 64\n', f"""[task]
+name = "jsonl"
+path = "{EXAMPLE / 'train.jsonl'}"
+
+[[task.rewards]]
+function = "{EXAMPLE / 'reward.py'}:reversed_digits"
+name = "digits"
+""").replace("max_new_tokens = 4", "max_new_tokens = 8")
+    config.write_text(text + f'\n[model]\nname = "{tiny_llama}"\n')
+    return config
+
+
+def events_of(out: Path, kind: str) -> list[dict[str, object]]:
+    lines = (out / "events.jsonl").read_bytes().splitlines()
+    return [record for record in map(orjson.loads, lines) if record["event"] == kind]
+
+
+def test_a_run_evaluates_at_the_start_every_n_steps_and_the_last_once_each_across_a_sigkill_mid_eval(
+        tmp_path: Path, scd_processes: list[ScdProcess], session_ray: str, tiny_llama: Path) -> None:
+    config = eval_run_config(tmp_path, session_ray, tiny_llama)
+    out = tmp_path / "out"
+    # The second eval (step 5) hangs part-way; a real SIGKILL ends the process there.
+    first = ScdProcess(config, "--max-steps", "12", env={"SCD_FAULT": "during_eval:2=block"})
+    scd_processes.append(first)
+    first.wait_for_line("blocking at during_eval", timeout=240)
+    assert "eval of step 5:" in first.output()
+    first.signal(signal.SIGKILL)
+    assert first.wait(timeout=60) == -signal.SIGKILL
+    assert [e["step"] for e in events_of(out, "eval")] == [0]
+    # The bundle the eval at step 0 was followed by records it.
+    info = orjson.loads((layout.step_dir(out / "checkpoints", 0) / layout.TRAINING_INFO_FILE).read_bytes())
+    assert info["evaluated_steps"] == [0] and info["trigger"] == "eval"
+
+    second = ScdProcess(config, "--max-steps", "12")
+    scd_processes.append(second)
+    assert second.wait(timeout=300) == 0, second.output()[-3000:]
+    evals = events_of(out, "eval")
+    assert [e["step"] for e in evals] == [0, 5, 10, 12]
+    for event in evals:
+        assert event["weight_version"] == event["step"]
+        assert set(event["pass_at_k"]) == {"1", "2", "4"} and event["prompts"] == 8
+        assert 0.0 <= event["reward_mean"] <= 1.0 and set(event["reward_components"]) >= {"digits"}
+        assert event["tokens"] > 0 and len(event["rows"]) == 4
+    final = orjson.loads((layout.step_dir(out / "checkpoints", 12) / layout.TRAINING_INFO_FILE).read_bytes())
+    assert final["evaluated_steps"] == [0, 5, 10, 12]
+    assert max(s["step"] for s in events_of(out, "train_step")) == 12
+
+    # `scd eval` on the last bundle: the same evaluation, offline, its numbers as JSON.
+    offline = subprocess.run([*SCD, "eval", str(layout.step_dir(out / "checkpoints", 12)), "--config", str(config)],
+                             cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert offline.returncode == 0, offline.stderr[-3000:]
+    result = orjson.loads(offline.stdout)
+    assert result["step"] == 12 and result["prompts"] == 8 and set(result["pass_at_k"]) == {"1", "2", "4"}
+    assert 0.0 <= result["reward_mean"] <= 1.0
