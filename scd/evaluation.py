@@ -20,6 +20,8 @@ import contextlib
 import logging
 import math
 import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -116,16 +118,16 @@ class Evaluation:
         """The train pump's step boundary: evaluate it if due, book it, record it; True when it did."""
         if not self.schedule.due(state.trainer_step, last_step, state.evaluated_steps):
             return False
-        with goodput.evaluating():
-            event = await self.run(state.trainer_step, state.weight_version)
+        event = await self.run(state.trainer_step, state.weight_version, goodput.evaluating)
         goodput.on_eval(event.tokens)
         state.note_evaluated(event.step)
         await events.emit(event)
         return True
 
-    async def run(self, step: int, weight_version: int) -> Eval:
-        """Generate every eval prompt's samples at the backend's current weights, score them, publish the
-        gauges; the caller emits the event."""
+    async def run(self, step: int, weight_version: int,
+                  generating: Callable[[], AbstractContextManager[None]] = contextlib.nullcontext) -> Eval:
+        """Generate every eval prompt's samples at the backend's current weights (within ``generating``: the
+        engines serve the eval), score them, publish the gauges; the caller emits the event."""
         started = time.monotonic()
         samples = self._config.samples_per_prompt
         log.info("eval of step %d: %d held-out prompts x %d samples", step, len(self._prompts), samples)
@@ -135,12 +137,13 @@ class Evaluation:
                      for p in self._prompts]
         batch = max(1, self._backend.batch_groups)
         completions: list[list[Completion]] = []
-        for start in range(0, len(requests), batch):
-            for result in await self._backend.generate(requests[start:start + batch], _ignore_sibling):
-                if result.incomplete_reason():
-                    raise ScdError(f"eval generation of {result.request.group_id} came back incomplete: "
+        with generating():
+            for start in range(0, len(requests), batch):
+                for result in await self._backend.generate(requests[start:start + batch], _ignore_sibling):
+                    if result.incomplete_reason():
+                        raise ScdError(f"eval generation of {result.request.group_id} came back incomplete: "
                                        f"{result.incomplete_reason()}")
-                completions.append(result.completions)
+                    completions.append(result.completions)
         texts = await anyio.to_thread.run_sync(
             lambda: [[self._policy.decode(c.token_ids) for c in group] for group in completions])
         inputs = [RewardInput(p.prompt.prompt_id, p.prompt.prompt, text, p.prompt.answer, p.prompt.row)

@@ -11,18 +11,17 @@ Three measures, live (Prometheus gauges, every ``train_step`` event, ``scd repor
 * ``scd_goodput_ratio``: tokens trained over tokens generated, since the run started.  Groups
   committed before it (a restore's) are not this run's generation: their training is left out.
 
-And the bound.  The trainer takes R_t groups per second of its own time (all of it but the
-waits for a batch: reads, steps, weight syncs, checkpoints); generation makes R_g groups per busy
-second, summed over engines.  Within
-the staleness window generation may run ahead of the trainer only by what the window holds, so in
-a steady state it can usefully make only what the trainer takes: an engine busy more than
-min(1, R_t / R_g) of the time generates waste.  Held-out evaluation is a row of its own: its seconds are
-taken out of the window (engines, trainer and wall clock alike: the trainer waits for it, the engines
-serve it) and its tokens out of the generated ones, so neither the ratios nor the bound count it.  Both
-rates are estimated over the same sliding window, and ``scd_engine_busy_bound`` is that minimum.  Paced
-admission (``Rollouts.has_capacity``) is what lets generation reach it without waste.  R_g is measured at
-the occupancy the engine had when busy: an engine that is faster when fuller than the run keeps it is
-credited with less.
+And the bound.  The trainer takes R_t groups per second of its own time (all of it but the waits for a
+batch: reads, steps, weight syncs, checkpoints); generation makes R_g groups per busy second, summed over
+engines.  Within the staleness window generation may run ahead of the trainer only by what the window
+holds, so in a steady state it can usefully make only what the trainer takes: an engine busy more than
+min(1, R_t / R_g) of the time generates waste.  Held-out evaluation is a row of its own: the seconds the
+engines generate it are taken out of the window (engines, trainer and wall clock alike: the trainer waits
+for it, the engines serve it) and its tokens out of the generated ones, so neither the ratios nor the
+bound count it.  Both rates are estimated over the same sliding window, and ``scd_engine_busy_bound`` is
+that minimum.  Paced admission (``Rollouts.has_capacity``) is what lets generation reach it without
+waste.  R_g is measured at the occupancy the engine had when busy: an engine that is faster when fuller
+than the run keeps it is credited with less.
 """
 
 from __future__ import annotations
@@ -148,7 +147,7 @@ class GoodputMeter:
 
     @contextmanager
     def evaluating(self) -> Iterator[None]:
-        """Held while a held-out evaluation runs: its time is booked apart from training's."""
+        """Held while the engines generate a held-out evaluation: that time is booked apart from training's."""
         with self._evaluating.request():
             yield
 

@@ -1,13 +1,16 @@
 """Offline report over scd's JSONL event log: PNG plots plus a fixed-width summary table.
 
 Reads the log that ``scd.telemetry.events.EventLog`` appends across restarts, each line decoded as
-a struct of what the report reads of its event (logs from before a field existed decode too), and
-draws, against
-wall-clock seconds since the first event, the reward, the training throughput, goodput (each
-engine's busy ratio against its bound, waste and goodput ratios), each checkpoint phase and each
-restore phase, and the skew (trained ÷ admitted prompts per bucket, and their distance). Process
-starts and restores are drawn as dashed vertical lines on every plot, so the cost of a restart
-shows up where it happened. ``goodput_totals`` sums goodput over every run in a
+a struct of what the report reads of its event (logs from before a field existed decode too).
+Against the trainer step (a step trained again after a restore: its latest values) it draws what a
+person asks first: the reward, smoothed, with its spread (``reward.png``); loss, entropy, completion
+length and truncation rate (``learning.png``); the held-out eval reward and pass@k (``eval.png``).
+Against wall-clock seconds since the first event: the training throughput, goodput (each engine's
+busy ratio against its bound, waste and goodput ratios), each checkpoint phase and each restore
+phase, and the skew (trained ÷ admitted prompts per bucket, and their distance); process starts and
+restores are dashed vertical lines there, so the cost of a restart shows up where it happened.  A
+figure with no data is not written: the summary names it.  The summary ends with sample completions
+(the last ``completions`` and ``eval`` events' rows). ``goodput_totals`` sums goodput over every run in a
 log (a crash loop's waste). matplotlib is an optional extra (``scd[report]``) and is imported only
 when a report is written.
 """
@@ -20,7 +23,7 @@ from dataclasses import dataclass, field
 from operator import attrgetter
 from pathlib import Path
 from statistics import fmean
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import orjson
@@ -28,7 +31,7 @@ import orjson
 from scd.errors import ScdError
 from scd.goodput import share_of_generated
 from scd.schema import CheckpointPhase, RestorePhase
-from scd.telemetry.events import Checkpoint, Restore, Sample, Start, TrainStep, tag_of
+from scd.telemetry.events import Checkpoint, Completions, Eval, Restore, Sample, Start, TrainStep, tag_of
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -40,7 +43,10 @@ RATE_FIELDS = ("committed_groups_per_s", "generated_tokens_per_s", "committed_to
 # A train step's goodput ratios, and the counts since its run started that runs are summed from.
 GOODPUT_RATIOS = ("engine_busy_bound", "generation_waste_ratio", "goodput_ratio")
 GOODPUT_COUNTS = ("run_generated_tokens", "run_wasted_tokens", "run_trained_tokens")
+LEARNING_FIELDS = ("loss", "entropy", "completion_tokens_mean", "truncation_rate")
 FINAL_REWARD_STEPS = 10
+SAMPLE_ROWS = 4  # completions the summary shows, of the last completions event and of the last eval
+_STEP_LABEL = "trainer step"
 RATE_WINDOW_STEPS = 10  # steps per minute over the last this-many train steps
 
 _OUTCOMES = ("completed", "skipped", "failed")
@@ -56,6 +62,16 @@ class _TrainStep:
     rates: dict[str, float]
     busy: dict[str, float]  # engine_busy_ratio by engine (empty in logs from before it)
     goodput: dict[str, float]  # the GOODPUT_RATIOS and GOODPUT_COUNTS the step reported
+    learning: dict[str, float]  # the LEARNING_FIELDS the step reported
+
+
+@dataclass(frozen=True)
+class _Eval:
+    time: float
+    step: int
+    reward_mean: float
+    pass_at_k: dict[str, float]
+    rows: list[dict[str, Any]]
 
 
 @dataclass(frozen=True)
@@ -69,6 +85,7 @@ class _Checkpoint:
 @dataclass(frozen=True)
 class _Restore:
     time: float
+    step: int  # the bundle's step the process went on from
     phases: dict[str, float]
     stale_groups: int
     stale_tokens: int  # 0 in logs from before restores reported it
@@ -116,6 +133,7 @@ class _SampleLine(msgspec.Struct, tag_field="event", tag=tag_of(Sample)):
 
 class _RestoreLine(msgspec.Struct, tag_field="event", tag=tag_of(Restore)):
     time: float
+    step: int = 0
     phases: dict[str, float] = {}
     groups_evicted_stale: int | None = None
     stale_tokens: int | None = None
@@ -137,6 +155,24 @@ class _TrainStepLine(msgspec.Struct, tag_field="event", tag=tag_of(TrainStep)):
     run_trained_tokens: float | None = None
     training_skew_tvd: float | None = None
     trained_per_admitted: dict[str, float] | None = None
+    loss: float | None = None
+    entropy: float | None = None
+    completion_tokens_mean: float | None = None
+    truncation_rate: float | None = None
+
+
+class _EvalLine(msgspec.Struct, tag_field="event", tag=tag_of(Eval)):
+    time: float
+    step: int
+    reward_mean: float
+    pass_at_k: dict[str, float] = {}
+    rows: list[dict[str, Any]] = []
+
+
+class _CompletionsLine(msgspec.Struct, tag_field="event", tag=tag_of(Completions)):
+    time: float
+    step: int
+    rows: list[dict[str, Any]] = []
 
 
 class _CheckpointLine(msgspec.Struct, tag_field="event", tag=tag_of(Checkpoint)):
@@ -146,8 +182,9 @@ class _CheckpointLine(msgspec.Struct, tag_field="event", tag=tag_of(Checkpoint))
     phases: dict[str, float] = {}
 
 
-_Line = _StartLine | _SampleLine | _RestoreLine | _TrainStepLine | _CheckpointLine
-_KNOWN_EVENTS = frozenset(tag_of(kind) for kind in (Start, Sample, Restore, TrainStep, Checkpoint))
+_Line = _StartLine | _SampleLine | _RestoreLine | _TrainStepLine | _CheckpointLine | _EvalLine | _CompletionsLine
+_KNOWN_EVENTS = frozenset(tag_of(kind) for kind in (Start, Sample, Restore, TrainStep, Checkpoint, Eval,
+                                                    Completions))
 
 
 def _present(line: _TrainStepLine, names: Sequence[str]) -> dict[str, float]:
@@ -166,6 +203,8 @@ class _Run:
     train_steps: list[_TrainStep] = field(default_factory=list)
     checkpoints: list[_Checkpoint] = field(default_factory=list)
     skews: list[_Skew] = field(default_factory=list)  # train steps from before skew telemetry have none
+    evals: list[_Eval] = field(default_factory=list)
+    completions: _CompletionsLine | None = None  # the last completions event
 
     @property
     def t0(self) -> float:
@@ -184,16 +223,22 @@ class _Run:
             case _StartLine():
                 self.starts.append(line.time)
             case _RestoreLine():
-                self.restores.append(_Restore(line.time, line.phases, line.groups_evicted_stale or 0,
+                self.restores.append(_Restore(line.time, line.step, line.phases, line.groups_evicted_stale or 0,
                                               line.stale_tokens or 0))
             case _TrainStepLine():
                 self.train_steps.append(_TrainStep(line.time, line.step, line.reward_mean, _present(line, RATE_FIELDS),
                                                    line.engine_busy_ratio or {},
-                                                   _present(line, (*GOODPUT_RATIOS, *GOODPUT_COUNTS))))
+                                                   _present(line, (*GOODPUT_RATIOS, *GOODPUT_COUNTS)),
+                                                   _present(line, LEARNING_FIELDS)))
                 if line.training_skew_tvd is not None:
                     self.skews.append(_Skew(line.time, line.training_skew_tvd, line.trained_per_admitted or {}))
             case _CheckpointLine():
                 self.checkpoints.append(_Checkpoint(line.time, line.outcome, line.reason, line.phases))
+            case _EvalLine():
+                self.evals.append(_Eval(line.time, line.step, line.reward_mean, line.pass_at_k, line.rows))
+            case _CompletionsLine():
+                if self.completions is None or line.time >= self.completions.time:
+                    self.completions = line
 
     def sort(self) -> None:
         by_time = attrgetter("time")
@@ -202,6 +247,14 @@ class _Run:
         self.train_steps.sort(key=by_time)
         self.checkpoints.sort(key=by_time)
         self.skews.sort(key=by_time)
+        self.evals.sort(key=by_time)
+
+    def steps_by_step(self) -> list[_TrainStep]:
+        """One train step per step number, in step order: a step trained again after a restore, its latest."""
+        return sorted({s.step: s for s in self.train_steps}.values(), key=attrgetter("step"))
+
+    def evals_by_step(self) -> list[_Eval]:
+        return sorted({e.step: e for e in self.evals}.values(), key=attrgetter("step"))
 
 
 def _load(path: Path) -> _Run:
@@ -258,12 +311,85 @@ def _finish(ax: Axes, run: _Run, title: str, ylabel: str, has_data: bool) -> Non
         ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small", frameon=False)
 
 
+def smoothed(values: Sequence[float], window: int) -> tuple[list[float], list[float]]:
+    """Each value's trailing mean over up to ``window`` values, and their standard deviation (the spread)."""
+    means, spreads = [], []
+    for i in range(len(values)):
+        recent = values[max(0, i - window + 1):i + 1]
+        mean = fmean(recent)
+        means.append(mean)
+        spreads.append(fmean([(v - mean) ** 2 for v in recent]) ** 0.5)
+    return means, spreads
+
+
+def _smoothing_window(points: int) -> int:
+    return max(1, min(50, points // 10))
+
+
+def _finish_by_step(ax: Axes, run: _Run, title: str, ylabel: str, has_data: bool) -> None:
+    """A plot against the trainer step: restores at the step they went on from, labels, a legend or "no data"."""
+    for i, restore in enumerate(run.restores):
+        ax.axvline(restore.step, color="tab:purple", linestyle="--", linewidth=1, alpha=0.8,
+                   label="restore" if i == 0 else None)
+    ax.set_title(title)
+    ax.set_ylabel(ylabel)
+    ax.set_xlabel(_STEP_LABEL)
+    ax.grid(alpha=0.3)
+    if not has_data:
+        ax.text(0.5, 0.5, "no data", transform=ax.transAxes, ha="center", va="center", fontsize=14, color="gray")
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small", frameon=False)
+
+
 def _plot_reward(fig: Figure, run: _Run) -> None:
     ax = fig.subplots()
-    steps = run.train_steps
-    ax.plot(run.since_start([s.time for s in steps]), [s.reward_mean for s in steps], ".-", markersize=3,
-            label="reward_mean")
-    _finish(ax, run, "Reward", "reward_mean", bool(steps))
+    steps = run.steps_by_step()
+    x, rewards = [s.step for s in steps], [s.reward_mean for s in steps]
+    window = _smoothing_window(len(rewards))
+    mean, spread = smoothed(rewards, window)
+    ax.plot(x, rewards, ".", markersize=2, color="tab:blue", alpha=0.35, label="reward_mean (each step)")
+    ax.plot(x, mean, "-", color="tab:blue", linewidth=2, label=f"mean of the last {window} steps")
+    ax.fill_between(x, [m - s for m, s in zip(mean, spread, strict=True)],
+                    [m + s for m, s in zip(mean, spread, strict=True)], color="tab:blue", alpha=0.15,
+                    label="± their standard deviation")
+    _finish_by_step(ax, run, "Training reward", "reward", bool(steps))
+
+
+def _plot_learning(fig: Figure, run: _Run) -> None:
+    """Loss, entropy, completion length and truncation rate against the step, each smoothed as the reward."""
+    fig.set_size_inches(11, 7.0)
+    steps = run.steps_by_step()
+    titles = {"loss": ("Loss", "loss"), "entropy": ("Entropy of the sampled tokens", "nats"),
+              "completion_tokens_mean": ("Completion length", "tokens (mean)"),
+              "truncation_rate": ("Truncation rate: ended at generation.max_new_tokens", "share")}
+    axes = fig.subplots(2, 2, sharex=True)
+    for ax, name in zip(axes.flat, LEARNING_FIELDS, strict=True):
+        points = [(s.step, s.learning[name]) for s in steps if name in s.learning]
+        if points:
+            x, values = [p for p, _ in points], [v for _, v in points]
+            window = _smoothing_window(len(values))
+            ax.plot(x, values, ".", markersize=2, alpha=0.35, color="tab:green")
+            ax.plot(x, smoothed(values, window)[0], "-", linewidth=2, color="tab:green",
+                    label=f"mean of the last {window}")
+        if name == "truncation_rate":
+            ax.set_ylim(-0.02, 1.02)
+        _finish_by_step(ax, run, titles[name][0], titles[name][1], bool(points))
+    for ax in axes[0]:
+        ax.set_xlabel("")
+
+
+def _plot_eval(fig: Figure, run: _Run) -> None:
+    """The held-out eval's mean reward and pass@k at each step evaluated."""
+    ax = fig.subplots()
+    evals = run.evals_by_step()
+    x = [e.step for e in evals]
+    ax.plot(x, [e.reward_mean for e in evals], "o-", linewidth=2, label="eval reward_mean")
+    for k in sorted({k for e in evals for k in e.pass_at_k}, key=int):
+        points = [(e.step, e.pass_at_k[k]) for e in evals if k in e.pass_at_k]
+        ax.plot([p for p, _ in points], [v for _, v in points], "s--", markersize=4, label=f"pass@{k}")
+    rewards = [e.reward_mean for e in evals]
+    ax.set_ylim(min(0.0, *rewards) - 0.02, max(1.0, *rewards) + 0.02)
+    _finish_by_step(ax, run, "Held-out evaluation", "reward / pass@k", bool(evals))
 
 
 def _steps_per_minute(steps: Sequence[_TrainStep]) -> tuple[list[float], list[float]]:
@@ -375,13 +501,16 @@ def _plot_skew(fig: Figure, run: _Run) -> None:
     ratio_ax.set_xlabel("")
 
 
-_PLOTS: tuple[tuple[str, Callable[[Figure, _Run], None]], ...] = (
-    ("reward.png", _plot_reward),
-    ("throughput.png", _plot_throughput),
-    ("goodput.png", _plot_goodput),
-    ("checkpoint_phases.png", _plot_checkpoint_phases),
-    ("restore_times.png", _plot_restore_times),
-    ("skew.png", _plot_skew),
+# Each figure, how it is drawn, and whether the log has anything for it (a figure without is not written).
+_PLOTS: tuple[tuple[str, Callable[[Figure, _Run], None], Callable[[_Run], bool]], ...] = (
+    ("reward.png", _plot_reward, lambda run: bool(run.train_steps)),
+    ("learning.png", _plot_learning, lambda run: any(s.learning for s in run.train_steps)),
+    ("eval.png", _plot_eval, lambda run: bool(run.evals)),
+    ("throughput.png", _plot_throughput, lambda run: len(run.train_steps) >= 2),
+    ("goodput.png", _plot_goodput, lambda run: any(s.busy or s.goodput for s in run.train_steps)),
+    ("checkpoint_phases.png", _plot_checkpoint_phases, lambda run: bool(run.checkpoints)),
+    ("restore_times.png", _plot_restore_times, lambda run: any(r.phases for r in run.restores)),
+    ("skew.png", _plot_skew, lambda run: bool(run.skews)),
 )
 
 
@@ -439,7 +568,29 @@ def _goodput_rows(run: _Run) -> list[tuple[str, str]]:
             ("restores: stale tokens thrown away", str(totals.restore_stale_tokens))]
 
 
-def _summary(path: Path, run: _Run) -> str:
+def _eval_rows(run: _Run) -> list[tuple[str, str]]:
+    evals = run.evals_by_step()
+    if not evals:
+        return [("eval steps", "0")]
+    first, last = evals[0], evals[-1]
+    return [("eval steps", str(len(evals))),
+            (f"eval reward (step {first.step} -> {last.step})", f"{first.reward_mean:.4f} -> {last.reward_mean:.4f}"),
+            *((f"eval pass@{k} (step {last.step})", f"{value:.4f}")
+              for k, value in sorted(last.pass_at_k.items(), key=lambda kv: int(kv[0])))]
+
+
+def _sample_lines(title: str, rows: Sequence[dict[str, Any]]) -> list[str]:
+    lines = ["", title]
+    for row in rows[:SAMPLE_ROWS]:
+        prompt = row.get("prompt")
+        if isinstance(prompt, list):  # chat messages: the last one is what the model answers
+            prompt = prompt[-1].get("content", "") if prompt and isinstance(prompt[-1], dict) else prompt
+        lines.append(f"  {str(prompt)!r} -> {str(row.get('completion', ''))!r}  (answer {row.get('answer')!r}, "
+                     f"reward {float(row.get('reward', 0.0)):.3f})")
+    return lines
+
+
+def _summary(path: Path, run: _Run, unwritten: Sequence[str]) -> str:
     steps = run.train_steps
     final = [s.reward_mean for s in steps[-FINAL_REWARD_STEPS:]]
     checkpoint_totals = [c.phases["total"] for c in run.checkpoints if c.outcome == "completed" and "total" in c.phases]
@@ -464,12 +615,18 @@ def _summary(path: Path, run: _Run) -> str:
         ("restore total mean (s)", _seconds(restore_totals, fmean)),
         *_goodput_rows(run),
         ("training skew TVD (last step)", f"{run.skews[-1].tvd:.4f}" if run.skews else "n/a"),
+        *_eval_rows(run),
+        ("figures not written (no data)", ", ".join(unwritten) or "none"),
     ]
     width = max(len(label) for label, _ in rows)
     value_width = max(len(value) for _, value in rows)
     lines = [f"scd run report: {path}", f"{'metric':<{width}}  {'value':>{value_width}}",
              f"{'-' * width}  {'-' * value_width}"]
     lines += [f"{label:<{width}}  {value:>{value_width}}" for label, value in rows]
+    if run.completions is not None and run.completions.rows:
+        lines += _sample_lines(f"sample completions (step {run.completions.step}):", run.completions.rows)
+    if run.evals and run.evals[-1].rows:
+        lines += _sample_lines(f"held-out eval samples (step {run.evals[-1].step}):", run.evals[-1].rows)
     return "\n".join(lines)
 
 
@@ -487,10 +644,14 @@ def write_report(events_path: Path, out_dir: Path) -> str:
     events_path, out_dir = Path(events_path), Path(out_dir)
     run = _load(events_path)
     out_dir.mkdir(parents=True, exist_ok=True)
-    for name, draw in _PLOTS:
+    unwritten = []
+    for name, draw, has_data in _PLOTS:
+        if not has_data(run):
+            unwritten.append(name)
+            continue
         fig = Figure(figsize=(11, 4.2), dpi=100)
         FigureCanvasAgg(fig)
         draw(fig, run)
         fig.tight_layout()
         fig.savefig(out_dir / name)
-    return _summary(events_path, run)
+    return _summary(events_path, run, unwritten)

@@ -253,8 +253,10 @@ def tiny_config(tmp_path: Path, partition: str, **sections: dict[str, object]) -
     """configs/tiny.toml with this test's output dir and TQ partition, and section overrides."""
     from scd.config import derive_config
 
+    # Checkpointing (on in configs/tiny.toml, as by default) is left to the tests that turn it on: the others
+    # check other things, and a final bundle per test is time they need not spend.
     base = {"run": {"output_dir": str(tmp_path / "out")}, "data_plane": {"partition": partition},
-            "telemetry": {"metrics_port": 0}}
+            "telemetry": {"metrics_port": 0}, "checkpointing": {"enabled": False}}
     return derive_config(REPO / "configs" / "tiny.toml", base, sections)
 
 

@@ -151,8 +151,9 @@ def test_a_run_evaluates_at_the_start_every_n_steps_and_the_last_once_each_acros
         assert set(event["pass_at_k"]) == {"1", "2", "4"} and event["prompts"] == 8
         assert 0.0 <= event["reward_mean"] <= 1.0 and set(event["reward_components"]) >= {"digits"}
         assert event["tokens"] > 0 and len(event["rows"]) == 4
-    final = orjson.loads((layout.step_dir(out / "checkpoints", 12) / layout.TRAINING_INFO_FILE).read_bytes())
-    assert final["evaluated_steps"] == [0, 5, 10, 12]
+    inspected = subprocess.run([*SCD, "checkpoint", "inspect", str(layout.step_dir(out / "checkpoints", 12)),
+                                "--json"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert orjson.loads(inspected.stdout)["evaluated_steps"] == [0, 5, 10, 12]
     assert max(s["step"] for s in events_of(out, "train_step")) == 12
 
     # `scd eval` on the last bundle: the same evaluation, offline, its numbers as JSON.

@@ -18,7 +18,7 @@ pytest.importorskip("matplotlib")
 
 REPO = Path(__file__).resolve().parents[1]
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
-PLOTS = ("reward.png", "throughput.png", "checkpoint_phases.png", "restore_times.png")
+PLOTS = ("reward.png", "learning.png", "eval.png", "throughput.png", "checkpoint_phases.png", "restore_times.png")
 T0 = 1_700_000_000.0
 
 
@@ -29,7 +29,9 @@ def _event(event: str, time: float, step: int, **fields: Any) -> dict[str, Any]:
 def _train_step(time: float, step: int, *, rates: bool) -> dict[str, Any]:
     fields: dict[str, Any] = {
         "epoch": step // 20, "weight_version": step, "reward_mean": min(1.0, 0.1 + 0.02 * step),
-        "loss": 1.0 / step, "staleness": step % 3, "prompt_ids": [[step // 20, 4 * step + k] for k in range(4)],
+        "loss": 1.0 / step, "entropy": 2.0 - 0.01 * step, "completion_tokens_mean": 8.0 - step / 10,
+        "truncation_rate": max(0.0, 0.9 - step / 40), "staleness": step % 3,
+        "prompt_ids": [[step // 20, 4 * step + k] for k in range(4)],
     }
     if rates:
         fields |= {"committed_groups_per_s": 2.5, "generated_tokens_per_s": 5200.0 + step,
@@ -64,6 +66,15 @@ def _realistic_log() -> list[dict[str, Any]]:
     ]
     for step in range(26, 41):
         events.append(_train_step(412.0 + 9.0 * (step - 25), step, rates=True))
+    for step, reward in ((0, 0.1), (20, 0.3), (40, 0.7)):
+        events.append(_event("eval", 412.0 + 9.0 * 15 + 0.5 if step == 40 else 10.0 * step + 2, step,
+                              weight_version=step, prompts=8, samples_per_prompt=4, reward_mean=reward,
+                              pass_at_k={"1": reward / 2, "2": reward, "4": min(1.0, 2 * reward)},
+                              reward_components={"digits": reward}, seconds=0.5, tokens=256,
+                              rows=[{"epoch": 0, "prompt_id": 0, "prompt": [{"role": "user", "content": "reverse 12"}],
+                                     "completion": "21" if step else "x", "answer": "21", "reward": reward}]))
+    events.append(_event("completions", 412.0 + 9.0 * 15, 40, rows=[
+        {"epoch": 1, "prompt_id": 3, "prompt": "reverse 34", "completion": "43", "answer": "43", "reward": 1.0}]))
     events.append(_checkpoint(412.0 + 9.0 * 15 + 1, 40, "completed", "shutdown"))
     return events
 
@@ -74,8 +85,11 @@ def _write_log(path: Path, events: list[dict[str, Any]]) -> Path:
 
 
 def _summary_rows(summary: str) -> dict[str, str]:
+    """The table's rows: up to the blank line before the sample completions."""
     rows = {}
     for line in summary.splitlines()[3:]:
+        if not line:
+            break
         label, value = re.split(r"\s{2,}", line.strip())
         rows[label] = value
     return rows
@@ -111,22 +125,35 @@ def test_report_writes_plots_and_summary(tmp_path: Path) -> None:
     assert rows["failed, reason tq_timeout"] == "1"
     assert rows["checkpoint total max (s)"] == "2.300"
     assert rows["restore total mean (s)"] == "9.800"
-    widths = {len(line) for line in summary.splitlines()[1:]}
+    assert rows["eval steps"] == "3"
+    assert rows["eval reward (step 0 -> 40)"] == "0.1000 -> 0.7000"
+    assert rows["eval pass@4 (step 40)"] == "1.0000"
+    assert rows["figures not written (no data)"] == "goodput.png, skew.png"
+    table = summary.split("\n\n")[0]
+    widths = {len(line) for line in table.splitlines()[1:]}
     assert len(widths) == 1, "the table is fixed-width"
+    # What the policy wrote, as a person reads it: the last completions event's rows and the last eval's.
+    assert "sample completions (step 40):\n  'reverse 34' -> '43'  (answer '43', reward 1.000)" in summary
+    assert "held-out eval samples (step 40):\n  'reverse 12' -> '21'  (answer '21', reward 0.700)" in summary
+    assert sorted(p.name for p in out.iterdir()) == sorted(PLOTS)
 
 
-def test_report_without_restores_or_checkpoints_still_writes_every_plot(tmp_path: Path) -> None:
+def test_a_figure_without_data_is_not_written_and_the_summary_names_it(tmp_path: Path) -> None:
     log = _write_log(tmp_path / "events.jsonl", [_event("start", 0.0, 0, pid=7), _train_step(5.0, 1, rates=False)])
 
     summary = write_report(log, tmp_path / "out")
 
-    for name in PLOTS:
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["learning.png", "reward.png"]
+    for name in ("learning.png", "reward.png"):
         _assert_png(tmp_path / "out" / name)
     rows = _summary_rows(summary)
+    assert rows["figures not written (no data)"] == ("eval.png, throughput.png, goodput.png, checkpoint_phases.png, "
+                                                     "restore_times.png, skew.png")
     assert rows["restores"] == "0"
     assert rows["checkpoints completed"] == "0"
     assert rows["checkpoint total mean (s)"] == "n/a"
     assert rows["restore total mean (s)"] == "n/a"
+    assert rows["eval steps"] == "0"
 
 
 def test_corrupt_line_raises_naming_the_line(tmp_path: Path) -> None:

