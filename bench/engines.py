@@ -20,7 +20,6 @@ import logging
 import statistics
 import time
 from pathlib import Path
-from tempfile import TemporaryDirectory
 
 import anyio
 import torch
@@ -28,7 +27,7 @@ import torch
 from bench.commits import clear
 from bench.configs import REPO
 from bench.gpu_check import summarize_steps
-from bench.summary import merge_and_print
+from bench.summary import run_standalone
 from scd.config import derive_config
 from scd.daemon import Controller
 from scd.model.init_tiny import TinyLlamaShape, init_tiny
@@ -98,24 +97,7 @@ async def vllm_cpu(tmp: Path, steps: int = 60) -> dict[str, float]:
 
 
 async def main() -> None:
-    import ray
-    import transfer_queue as tq
-
-    ray.init(address="local", num_cpus=3, include_dashboard=False, log_to_driver=False, _node_ip_address="127.0.0.2",
-             logging_level=logging.WARNING)
-    tq.init({"backend": {"SimpleStorage": {"num_data_storage_units": 1}}})
-    summary: dict[str, float] = {}
-    try:
-        with TemporaryDirectory(dir=REPO / "bench") as tmp_name:
-            tmp = Path(tmp_name)
-            for name, bench in (("weight_sync", weight_sync), ("vllm_cpu", vllm_cpu)):
-                started = time.monotonic()
-                summary |= await bench(tmp)
-                print(f"[{name}: {time.monotonic() - started:.0f}s]", flush=True)
-    finally:
-        tq.close()
-        ray.shutdown()
-    merge_and_print(summary, GOALS)
+    await run_standalone((("weight_sync", weight_sync), ("vllm_cpu", vllm_cpu)), GOALS)
 
 
 if __name__ == "__main__":

@@ -18,13 +18,12 @@ import logging
 import statistics
 import time
 from pathlib import Path
-from tempfile import TemporaryDirectory
 
 import anyio
 
 from bench.commits import clear
 from bench.configs import REPO
-from bench.summary import merge_and_print
+from bench.summary import run_standalone
 from scd.checkpoint import layout
 from scd.checkpoint.export import export_bundle
 from scd.config import Config, derive_config
@@ -91,24 +90,7 @@ async def export_seconds(tmp: Path) -> dict[str, float]:
 
 
 async def main() -> None:
-    import ray
-    import transfer_queue as tq
-
-    ray.init(address="local", num_cpus=3, include_dashboard=False, log_to_driver=False, _node_ip_address="127.0.0.2",
-             logging_level=logging.WARNING)
-    tq.init({"backend": {"SimpleStorage": {"num_data_storage_units": 1}}})
-    summary: dict[str, float] = {}
-    try:
-        with TemporaryDirectory(dir=REPO / "bench") as tmp_name:
-            tmp = Path(tmp_name)
-            for name, bench in (("eval_overhead", eval_overhead), ("export_seconds", export_seconds)):
-                started = time.monotonic()
-                summary |= await bench(tmp)
-                print(f"[{name}: {time.monotonic() - started:.0f}s]", flush=True)
-    finally:
-        tq.close()
-        ray.shutdown()
-    merge_and_print(summary, GOALS)
+    await run_standalone((("eval_overhead", eval_overhead), ("export_seconds", export_seconds)), GOALS)
 
 
 if __name__ == "__main__":

@@ -26,13 +26,12 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from tempfile import TemporaryDirectory
 from typing import Any
 
 import anyio
 
 from bench.configs import tiny
-from bench.summary import merge_and_print
+from bench.summary import run_standalone
 from scd.checkpoint import layout
 from scd.config import Config
 from scd.daemon import Controller
@@ -201,24 +200,7 @@ async def crash_loops(tmp: Path) -> dict[str, float]:
 
 
 async def main() -> None:
-    import ray
-    import transfer_queue as tq
-
-    ray.init(address="local", num_cpus=3, include_dashboard=False, log_to_driver=False, _node_ip_address="127.0.0.2",
-             logging_level=logging.WARNING)
-    tq.init({"backend": {"SimpleStorage": {"num_data_storage_units": 1}}})
-    summary: dict[str, float] = {}
-    try:
-        with TemporaryDirectory(dir=REPO / "bench") as tmp_name:
-            tmp = Path(tmp_name)
-            for name, bench in (("goodput_regimes", regimes), ("goodput_crash_loop", crash_loops)):
-                started = time.monotonic()
-                summary |= await bench(tmp)
-                print(f"[{name}: {time.monotonic() - started:.0f}s]", flush=True)
-    finally:
-        tq.close()
-        ray.shutdown()
-    merge_and_print(summary, GOALS)
+    await run_standalone((("goodput_regimes", regimes), ("goodput_crash_loop", crash_loops)), GOALS)
 
 
 if __name__ == "__main__":
