@@ -135,15 +135,8 @@ class Evaluation:
                                  prompt_ids=p.token_ids, siblings=tuple(range(samples)), max_tokens=p.max_tokens,
                                  target_step=None, admitted_at=time.time(), temperature=self._config.temperature)
                      for p in self._prompts]
-        batch = max(1, self._backend.batch_groups)
-        completions: list[list[Completion]] = []
         with generating():
-            for start in range(0, len(requests), batch):
-                for result in await self._backend.generate(requests[start:start + batch], _ignore_sibling):
-                    if result.incomplete_reason():
-                        raise ScdError(f"eval generation of {result.request.group_id} came back incomplete: "
-                                       f"{result.incomplete_reason()}")
-                    completions.append(result.completions)
+            completions = await self._generate(requests)
         texts = await anyio.to_thread.run_sync(
             lambda: [[self._policy.decode(c.token_ids) for c in group] for group in completions])
         inputs = [RewardInput(p.prompt.prompt_id, p.prompt.prompt, text, p.prompt.answer, p.prompt.row)
@@ -174,6 +167,28 @@ class Evaluation:
         metrics.eval_seconds.inc(seconds)
         metrics.eval_tokens.inc(tokens)
         return event
+
+
+    async def _generate(self, requests: list[GroupRequest]) -> list[list[Completion]]:
+        """Every request's completions, in order; as many batches at once as the backend takes (as the
+        generation pump sends them)."""
+        size = max(1, self._backend.batch_groups)
+        batches = [requests[start:start + size] for start in range(0, len(requests), size)]
+        by_group: dict[str, list[Completion]] = {}
+        limiter = anyio.CapacityLimiter(max(1, self._backend.max_concurrent_batches))
+
+        async def run(batch: list[GroupRequest]) -> None:
+            async with limiter:
+                for result in await self._backend.generate(batch, _ignore_sibling):
+                    if result.incomplete_reason():
+                        raise ScdError(f"eval generation of {result.request.group_id} came back incomplete: "
+                                       f"{result.incomplete_reason()}")
+                    by_group[result.request.group_id] = result.completions
+
+        async with anyio.create_task_group() as tg:
+            for batch in batches:
+                tg.start_soon(run, batch)
+        return [by_group[req.group_id] for req in requests]
 
 
 def _ignore_sibling(*_: object) -> None:
