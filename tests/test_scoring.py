@@ -72,7 +72,9 @@ async def test_a_custom_reward_gets_each_rows_columns_and_its_parts_reach_the_st
         scored = controller.rollouts.scoring.statistics().scored
     by_prompt = {row["prompt"]: row for row in reversal_rows()}
     seen = [orjson.loads(line) for line in (tmp_path / "seen.jsonl").read_text().splitlines()]
-    assert len(seen) == scored >= 2 * config.trainer.groups_per_step * config.generation.group_size
+    # A call under way when the run stopped has written its line and is not counted as scored.
+    assert scored >= 2 * config.trainer.groups_per_step * config.generation.group_size
+    assert scored <= len(seen) <= scored + config.generation.max_inflight_prompts * config.generation.group_size
     for call in seen:
         row = by_prompt[call["prompt"]]
         assert call["answer"] == row["answer"] and call["row"] == {"id": row["id"], "level": row["level"]}
