@@ -267,7 +267,8 @@ class EvalConfig(_Section):
 
 
 class CheckpointingConfig(_Section):
-    enabled: bool = False
+    # On by default: a run keeps its weights and its rollouts (under run.output_dir) unless told not to.
+    enabled: bool = True
     dir: str = "checkpoints"
     # Seconds between checkpoints, or "auto": the Young/Daly optimum sqrt(2 x cost x MTBF) from the
     # measured cost of recent checkpoints (scd/checkpoint/interval.py), within the two clamps below.

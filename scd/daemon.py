@@ -313,14 +313,14 @@ class Controller:
             await tg.start(self.rollouts.scorer, name="scoring")
             await tg.start(self.rollouts.committer, name="committer")
             await tg.start(self.goodput.run, name="goodput")
+            if self.checkpointer is not None:  # awaited first: READY=1 is systemd's first word, not WATCHDOG=1
+                await tg.start(self.checkpointer.run_writer, name="checkpoint_writer")
+                tg.start_soon(self.checkpoint_scheduler, triggers, name="checkpoint_scheduler")
             tg.start_soon(self.rollout_pump, to_generation, name="rollout_pump")
             tg.start_soon(self.generation_pump, generation_in, name="generation_pump")
             tg.start_soon(systemd.feed_watchdog, name="watchdog")
             tg.start_soon(self.watch.loop_probe, name="loop_probe")
             tg.start_soon(self.watch.stall_watch, name="stall_watch")
-            if self.checkpointer is not None:
-                await tg.start(self.checkpointer.run_writer, name="checkpoint_writer")
-                tg.start_soon(self.checkpoint_scheduler, triggers, name="checkpoint_scheduler")
             if telemetry.telemetry_interval_s > 0:
                 tg.start_soon(self.watch.telemetry_sampler, telemetry.telemetry_interval_s, name="telemetry")
             train_scope = anyio.CancelScope()
