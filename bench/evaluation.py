@@ -30,7 +30,7 @@ from scd.config import Config, derive_config
 from scd.daemon import Controller
 from scd.model.init_tiny import TinyLlamaShape, init_tiny
 
-STEPS, WARMUP, PAIRS, EXPORTS = 40, 5, 3, 3
+STEPS, WARMUP, PAIRS, EXPORTS = 40, 5, 5, 3
 SHAPE_100M = TinyLlamaShape(hidden_size=768, num_layers=11, num_heads=12)
 GOALS = {"eval_overhead_ratio": (">=", 0.85)}
 CONFIGS = REPO / "configs"  # the chat example's reward module is named relative to its config

@@ -195,6 +195,18 @@ THROUGHPUT = Section(
             f" MiB, chunks of {s['trainer_logprob_chunk_tokens']:.0f} tokens); full logits as before: "
             f"{num(s['trainer_logprob_peak_rss_full_ratio'])} ({num(s['trainer_logprob_peak_rss_full_mb'])} MiB)",
             "trainer_logprob_peak_rss_ratio"),
+        Row("`eval_overhead_ratio`", "trainer steps/s with `eval.every_steps = 10` ÷ without `[eval]`: the chat "
+            "example's task and shape (16 × 16 completions a step; 64 held-out prompts × 4 samples an eval) on the "
+            "torch backend and the tests' tiny Llama, interleaved pairs of 40 steps after a warm-up, median. "
+            "`python -m bench.evaluation`",
+            lambda s: f"{ratio(s['eval_overhead_ratio'])}, spread {num(s['eval_overhead_ratio_spread'])}, "
+            f"{s['eval_overhead_pairs']:.0f} pairs ({num(s['eval_steps_per_s_on'])} vs "
+            f"{num(s['eval_steps_per_s_off'])} steps/s, {s['eval_evaluations_per_run']:.0f} evals a run)",
+            "eval_overhead_ratio"),
+        Row("`export_seconds_100m`", "`scd export` of a bundle of a 104M-parameter Llama (hidden 768, 11 layers): "
+            "verify, load, cast, write safetensors and tokenizer, fsync, rename; median of 3",
+            lambda s: f"{num(s['export_seconds_100m'])} s for {mib(s['export_bundle_model_mib_100m'] * 2**20)} "
+            f"of fp32 masters (spread {num(s['export_seconds_100m_spread'])} s)"),
         Row("`commit_path_groups_per_s`", "groups/s through the real commit path into TQ, the scoring stage "
             "taken out (each group arrives scored); its group encoded on the event loop",
             lambda s: num(s["commit_path_groups_per_s"]), "commit_path_groups_per_s"),

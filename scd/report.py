@@ -323,7 +323,7 @@ def smoothed(values: Sequence[float], window: int) -> tuple[list[float], list[fl
 
 
 def _smoothing_window(points: int) -> int:
-    return max(1, min(50, points // 10))
+    return max(1, min(50, points // 20))
 
 
 def _finish_by_step(ax: Axes, run: _Run, title: str, ylabel: str, has_data: bool) -> None:
