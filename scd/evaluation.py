@@ -99,7 +99,7 @@ class EvalSchedule:
 
 
 class Evaluation:
-    """Runs evaluations on a backend; ``run`` is the one entry, live (the train pump) or offline (``scd eval``)."""
+    """Runs evaluations on a backend: ``at_boundary`` for the train pump, ``run`` itself offline (``scd eval``)."""
 
     def __init__(self, config: Config, prompts: list[RenderedPrompt], backend: GenerationBackend, scorer: Scorer,
                  policy: Policy) -> None:
@@ -168,14 +168,13 @@ class Evaluation:
         metrics.eval_tokens.inc(tokens)
         return event
 
-
     async def _generate(self, requests: list[GroupRequest]) -> list[list[Completion]]:
         """Every request's completions, in order; as many batches at once as the backend takes (as the
         generation pump sends them)."""
-        size = max(1, self._backend.batch_groups)
+        size = self._backend.batch_groups
         batches = [requests[start:start + size] for start in range(0, len(requests), size)]
         by_group: dict[str, list[Completion]] = {}
-        limiter = anyio.CapacityLimiter(max(1, self._backend.max_concurrent_batches))
+        limiter = anyio.CapacityLimiter(self._backend.max_concurrent_batches)
 
         async def run(batch: list[GroupRequest]) -> None:
             async with limiter:
