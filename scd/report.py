@@ -299,11 +299,16 @@ def _mark_restarts(ax: Axes, run: _Run) -> None:
 def _finish(ax: Axes, run: _Run, title: str, ylabel: str, has_data: bool) -> None:
     """Restart lines, labels, a shared x range, and either a legend or a "no data" note."""
     _mark_restarts(ax, run)
-    ax.set_title(title)
-    ax.set_ylabel(ylabel)
-    ax.set_xlabel(_TIME_LABEL)
     margin = 0.02 * run.span or 1.0
     ax.set_xlim(-margin, run.span + margin)
+    _label(ax, title, ylabel, _TIME_LABEL, has_data)
+
+
+def _label(ax: Axes, title: str, ylabel: str, xlabel: str, has_data: bool) -> None:
+    """Title, axis labels, a grid, and either a legend or a "no data" note: every panel's finish."""
+    ax.set_title(title)
+    ax.set_ylabel(ylabel)
+    ax.set_xlabel(xlabel)
     ax.grid(alpha=0.3)
     if not has_data:
         ax.text(0.5, 0.5, "no data", transform=ax.transAxes, ha="center", va="center", fontsize=14, color="gray")
@@ -331,14 +336,7 @@ def _finish_by_step(ax: Axes, run: _Run, title: str, ylabel: str, has_data: bool
     for i, restore in enumerate(run.restores):
         ax.axvline(restore.step, color="tab:purple", linestyle="--", linewidth=1, alpha=0.8,
                    label="restore" if i == 0 else None)
-    ax.set_title(title)
-    ax.set_ylabel(ylabel)
-    ax.set_xlabel(_STEP_LABEL)
-    ax.grid(alpha=0.3)
-    if not has_data:
-        ax.text(0.5, 0.5, "no data", transform=ax.transAxes, ha="center", va="center", fontsize=14, color="gray")
-    if ax.get_legend_handles_labels()[0]:
-        ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small", frameon=False)
+    _label(ax, title, ylabel, _STEP_LABEL, has_data)
 
 
 def _plot_reward(fig: Figure, run: _Run) -> None:
