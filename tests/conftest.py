@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import itertools
 import logging
 import os
 import signal
@@ -134,10 +135,25 @@ def partition(tq_session: None) -> str:
     return f"test-{uuid.uuid4().hex[:8]}"
 
 
+# Below the kernel's ephemeral range (32768 and up): a port bound to 0 comes from that range, where Ray's
+# processes and every client socket take theirs, and one of them could take it before a test's server binds
+# it.  Each xdist worker draws from a slice of its own (Ray's workers keep below 20000), starting at a point
+# its pid picks, for another session's suite may run beside this one.
+_SLICE = 20_000 + 4_000 * (int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw")) % 3)
+_START = _SLICE + os.getpid() % 4_000
+_PORTS = itertools.cycle([*range(_START, _SLICE + 4_000), *range(_SLICE, _START)])
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A loopback port nobody holds now, from this worker's slice (see ``_PORTS``)."""
+    while True:
+        port = next(_PORTS)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
 
 
 TINY = """

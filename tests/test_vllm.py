@@ -40,7 +40,7 @@ from scd.model.policy import HFPolicy, state_copy
 from scd.records import COMPLETE, Completion
 from scd.triggers import Triggers
 from tests.conftest import REPO, ScdProcess, vllm_cpu_config
-from tests.support.engines import engines_paused, running_requests, worker_parameters
+from tests.support.engines import engines_paused, running_requests, vllm_generated_tokens, worker_parameters
 from tests.support.scores import ZERO_SCORES
 from tests.test_prefix_resume import crash_after_a_checkpoint_with_prefixes
 from tests.test_process import metric, scrape
@@ -531,12 +531,6 @@ async def test_a_sync_nothing_can_deliver_names_the_engine_and_leaves_it_paused(
 # ---- the generated-token counter, and the abort of stale requests (tests/test_behaviours.py's vLLM part) ----------
 
 
-def vllm_generation_tokens() -> float:
-    """vLLM's own count of tokens its engines generated (vllm:generation_tokens_total, every engine)."""
-    return sum(s.value for family in REGISTRY.collect() if family.name == "vllm:generation_tokens"
-               for s in family.samples if s.name == "vllm:generation_tokens_total")
-
-
 def tokens_in(result: GroupResult) -> int:
     return sum(len(c.token_ids) for c in result.completions)
 
@@ -565,9 +559,9 @@ async def test_generated_tokens_counts_every_token_returned_aborted_partial_outp
         tg.start_soon(generate)
         while not running_requests(engine):
             await anyio.sleep(0)
-        started = vllm_generation_tokens()
+        started = vllm_generated_tokens(engine)
         with anyio.fail_after(30):
-            while vllm_generation_tokens() - started < 8:
+            while vllm_generated_tokens(engine) - started < 8:
                 await anyio.sleep(0.001)
         assert await engine.abort_older_than(10_000) == 1
     [aborted] = results

@@ -12,6 +12,17 @@ def running_requests(backend: VLLMBackend) -> int:
     return sum(len(engine.running) for engine in backend.engines)
 
 
+def vllm_generated_tokens(backend: VLLMBackend) -> float:
+    """vLLM's own count of the tokens these engines generated (``vllm:generation_tokens``), read from each
+    engine's stat logger: the process registry shows only the last AsyncLLM opened in it (each one's
+    Prometheus logger unregisters every ``vllm:`` collector before registering its own)."""
+    from vllm.v1.metrics.loggers import PrometheusStatLogger
+
+    return sum(child._value.get()
+               for engine in backend.engines for logger in engine.llm.logger_manager.stat_loggers
+               if isinstance(logger, PrometheusStatLogger) for child in logger.counter_generation_tokens.values())
+
+
 async def engines_paused(backend: VLLMBackend) -> list[bool]:
     """Whether each engine's scheduler is paused now (a failed sync leaves them paused)."""
     return [await engine.llm.is_paused() for engine in backend.engines]
