@@ -59,7 +59,17 @@ gpu-check: $(STAMP)
 TEST_WORKERS ?= 2
 PYTEST := $(BIN)/python -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadgroup --max-worker-restart=0
 
-test: $(STAMP)
+# A real Prometheus for the dashboard test (tests/support/prometheus.py): Debian's binary, extracted into
+# .tools/ without root; nothing is installed on the machine.
+PROMETHEUS := .tools/prometheus
+$(PROMETHEUS):
+	rm -rf .tools/deb && mkdir -p .tools/deb
+	cd .tools/deb && apt-get download -q prometheus
+	dpkg-deb -x .tools/deb/prometheus_*.deb .tools/deb/root
+	mv .tools/deb/root/usr/bin/prometheus $@
+	rm -rf .tools/deb
+
+test: $(STAMP) $(PROMETHEUS)
 	$(BIN)/ruff check scd tests bench
 	$(PYTEST) --durations=30 tests
 
@@ -79,4 +89,4 @@ lint: $(STAMP)
 	$(BIN)/ruff check scd tests bench
 
 clean:
-	rm -rf $(VENV) runs
+	rm -rf $(VENV) runs .tools

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 from pathlib import Path
+from typing import Any
 
 import orjson
 import torch
@@ -18,6 +19,18 @@ HF_FILES = {"config.json", "model.safetensors", "generation_config.json", "token
 def export(bundle: Path, out_dir: Path, *flags: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([*SCD, "export", str(bundle), str(out_dir), *flags], cwd=REPO, capture_output=True,
                           text=True, timeout=300)
+
+
+def load_holding_the_bundles_weights(exported: Path, bundle: Path) -> tuple[Any, dict[str, torch.Tensor]]:
+    """The export as transformers loads it, checked to hold exactly ``bundle``'s weights (in its dtype), and
+    those weights."""
+    from transformers import AutoModelForCausalLM
+
+    loaded = AutoModelForCausalLM.from_pretrained(exported, local_files_only=True)
+    saved = torch.load(bundle / layout.MODEL_FILE, weights_only=True)
+    for name, tensor in loaded.state_dict().items():
+        torch.testing.assert_close(tensor, saved[name].to(tensor.dtype), rtol=0, atol=0, msg=name)
+    return loaded, saved
 
 
 def greedy(model: torch.nn.Module, prompt: list[int]) -> list[int]:
@@ -41,10 +54,7 @@ def test_a_run_exports_its_final_bundle_that_transformers_loads_with_its_weights
     assert orjson.loads((exported / "scd_export.json").read_bytes())["step"] == 2
 
     # The export's weights are the bundle's, in model.dtype; it generates as the trainer's weights do.
-    loaded = AutoModelForCausalLM.from_pretrained(exported, local_files_only=True)
-    saved = torch.load(bundle / layout.MODEL_FILE, weights_only=True)
-    for name, tensor in loaded.state_dict().items():
-        torch.testing.assert_close(tensor, saved[name].to(tensor.dtype), rtol=0, atol=0, msg=name)
+    loaded, saved = load_holding_the_bundles_weights(exported, bundle)
     base = AutoModelForCausalLM.from_pretrained(tiny_llama, local_files_only=True)
     assert any(not torch.equal(tensor, base.state_dict()[name]) for name, tensor in saved.items())
     trainer = AutoModelForCausalLM.from_pretrained(tiny_llama, local_files_only=True)

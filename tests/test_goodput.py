@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import anyio
@@ -13,7 +15,11 @@ from prometheus_client import REGISTRY
 
 from scd.config import parse_config
 from scd.daemon import Controller
+from scd.generation.base import BusyClock, EngineActivity
+from scd.generation.tokens import TokenCounter
+from scd.goodput import GoodputMeter
 from scd.ledger import DropReason, PromptState
+from scd.replay import GroupMeta
 from scd.report import goodput_totals, write_report
 from tests.conftest import tiny_config
 
@@ -166,3 +172,53 @@ def test_the_report_sums_goodput_over_every_run_and_restore(tmp_path: Path) -> N
     assert rows["engine 0 busy ratio (last step)"] == "0.400"
     assert rows["generation waste ratio (all runs)"] == "0.0800"
     assert rows["restores: stale tokens thrown away"] == "30"
+
+
+class _OneEngine:
+    """The backend's side of goodput (pure logic): one engine's busy clock and token count."""
+
+    def __init__(self) -> None:
+        self.clock = BusyClock()
+        self.generated_tokens = 0
+
+    def engine_activity(self) -> list[EngineActivity]:
+        return [self.clock.activity("0", self.generated_tokens)]
+
+
+def trained_group(completion_tokens: int) -> GroupMeta:
+    return GroupMeta(group_id="e0-p0", epoch=0, prompt_id=0, sample_ids=("s",), start_weight_version=0,
+                     end_weight_version=0, prompt_len=2, seq_lens=(2 + completion_tokens,), rewards=(1.0,),
+                     weight_versions=(0,), committed_at=time.time() + 3600)
+
+
+def test_an_evaluation_is_a_row_of_its_own_neither_busy_time_nor_generated_tokens_of_training(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """20 s: the engine generates 1000 training tokens in its first 5 s, then idles, and an eval keeps it busy
+    from 10 s to 14 s (400 tokens).  The eval's 4 s leave the window, the engine's busy time and the trainer's
+    own time; its tokens leave the generated ones: busy 5 / 16 s, R_g 200 tokens per busy second, goodput
+    800 / 1000.  Counted as training, they would read busy 9 / 20, R_g 1400 / 9 and goodput 800 / 1400."""
+    now = [1000.0]
+    monkeypatch.setattr(time, "monotonic", lambda: now[0])
+    engine = _OneEngine()
+    rollouts = SimpleNamespace(statistics=lambda: SimpleNamespace(wasted_tokens=0, committed_tokens=0))
+    config = parse_config({**TESTS_CONFIG, "telemetry": {"goodput_window_s": 100.0}}, tmp_path)
+    meter = GoodputMeter(config, rollouts, engine, TokenCounter())  # type: ignore[arg-type]
+    meter.start()
+
+    with engine.clock.request():
+        now[0] += 5.0
+        engine.generated_tokens += 1000
+    now[0] += 5.0
+    with meter.evaluating(), engine.clock.request():
+        now[0] += 4.0
+        engine.generated_tokens += 400
+        meter.on_eval(400)
+    now[0] += 6.0
+    reading = meter.on_train_step([trained_group(100)] * 8)
+
+    assert reading.engine_busy_ratio == {"0": pytest.approx(5.0 / 16.0)}
+    assert reading.generated_tokens == 1000 and reading.trained_tokens == 800
+    assert reading.goodput_ratio == pytest.approx(0.8) and reading.waste_ratio == 0.0
+    assert reading.trainer_groups_per_s == pytest.approx(8 / 16.0)  # its own time: the 16 s the eval did not hold
+    assert reading.generation_groups_per_s == pytest.approx((1000 / 5.0) / 100)
+    assert reading.engine_busy_bound == pytest.approx(min(1.0, (8 / 16.0) / 2.0))

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import math
 import re
+import signal
 from itertools import pairwise
 from pathlib import Path
 from typing import Any
@@ -13,6 +15,8 @@ import pytest
 
 from scd.errors import ScdError
 from scd.report import write_report
+from tests.conftest import ScdProcess, free_port, write_config
+from tests.support.prometheus import Prometheus
 
 pytest.importorskip("matplotlib")
 
@@ -222,3 +226,44 @@ def test_grafana_dashboard_rows_and_metric_names() -> None:
         used |= names
     assert used >= REQUIRED_METRICS, REQUIRED_METRICS - used
 
+
+
+def dashboard_queries() -> list[tuple[str, str]]:
+    """(panel title, PromQL) of every target of the shipped dashboard."""
+    panels = json.loads(DASHBOARD.read_text())["panels"]
+    return [(p["title"], t["expr"]) for p in panels if p["type"] != "row" for t in p["targets"]]
+
+
+def test_a_real_prometheus_has_data_for_every_dashboard_query_on_a_healthy_run(
+        tmp_path: Path, scd_processes: list[ScdProcess], session_ray: str) -> None:
+    """A healthy run (no waste, no restore, a checkpoint every 2 s) scraped by a real Prometheus: every query
+    of the dashboard returns a series, so no panel reads "no data".  A quantile of a histogram that has had no
+    observation (no restore yet, no mutation blocked) is a series whose value is NaN: Grafana draws it as a
+    gap, not "no data"."""
+    port = free_port()
+    config = write_config(tmp_path, max_steps=100_000, port=port, ray_address=session_ray)
+    scd = ScdProcess(config, "--set", "checkpointing.enabled=true", "--set", "checkpointing.interval_s=2.0")
+    scd_processes.append(scd)
+    scd.wait_for_line("step 3 ")
+    prometheus = Prometheus(tmp_path / "prometheus", free_port(), port)
+    try:
+        scd.wait_for_line("checkpoint step_")
+        prometheus.wait_for_scrapes(8)
+        empty = [(title, expr) for title, expr in dashboard_queries() if not prometheus.query(expr)]
+        nan = [expr for _, expr in dashboard_queries()
+               if any(math.isnan(float(s["value"][1])) for s in prometheus.query(expr))]
+        # A NaN only where the quantile's histogram had no observation within its range.
+        observed = {expr: [float(s["value"][1]) for s in prometheus.query(observations_of(expr))] for expr in nan}
+    finally:
+        prometheus.close()
+    scd.signal(signal.SIGTERM)
+    assert scd.wait(timeout=120) == 0, scd.output()[-3000:]
+    assert empty == [], empty
+    assert all(counts == [0.0] for counts in observed.values()), observed
+    assert any("restore" in expr for expr in nan), nan  # this run restored nothing: its quantiles are NaN
+
+
+def observations_of(quantile: str) -> str:
+    """The PromQL counting the observations a ``histogram_quantile`` query reads, over its range."""
+    [(name, window)] = set(re.findall(r"(scd_[a-z_]+)_bucket\[(\w+)\]", quantile))
+    return f"sum(increase({name}_count[{window}]))"

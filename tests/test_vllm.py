@@ -42,6 +42,7 @@ from scd.triggers import Triggers
 from tests.conftest import REPO, ScdProcess, vllm_cpu_config
 from tests.support.engines import engines_paused, running_requests, vllm_generated_tokens, worker_parameters
 from tests.support.scores import ZERO_SCORES
+from tests.test_export import export, load_holding_the_bundles_weights
 from tests.test_prefix_resume import crash_after_a_checkpoint_with_prefixes
 from tests.test_process import metric, scrape
 from tests.test_sibling_recovery import crash_mid_generation_and_resume
@@ -358,6 +359,13 @@ def test_vllm_with_two_trainer_ranks_checkpoints_is_killed_restores_and_trains_o
                                                 + sum(len(f[2]) for f in finished if f[4] < step))
     trained = [tuple(p) for e in log[restored_at:] if e["event"] == "train_step" for p in e["prompt_ids"]]
     assert len(trained) == len(set(trained)), "a prompt trained twice"
+
+    # The final bundle, written by the two ranks, exports as any other: transformers loads its weights.
+    final = layout.finalized_bundles(root)[-1]
+    assert layout.step_of(final) == step + 3
+    done = export(final, tmp_path / "export")
+    assert done.returncode == 0, done.stderr[-3000:]
+    load_holding_the_bundles_weights(tmp_path / "export", final)
 
 
 async def test_vllm_resumes_part_way_siblings_bit_identical_and_goes_on_from_the_restored_weights(
