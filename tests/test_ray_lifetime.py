@@ -16,7 +16,8 @@ from pathlib import Path
 from scd.checkpoint import layout
 from tests.conftest import ScdProcess, write_config
 
-KILLS = 3
+# A fresh run killed, then a restored one: each leaves no Ray process behind.
+KILLS = 2
 GONE_WITHIN_S = 30.0
 # The last run must outlive the moment runs started after a kill used to die (~30 s in), with room.
 FINAL_RUN_S = 45.0

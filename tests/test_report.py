@@ -244,11 +244,10 @@ def test_a_real_prometheus_has_data_for_every_dashboard_query_on_a_healthy_run(
     config = write_config(tmp_path, max_steps=100_000, port=port, ray_address=session_ray)
     scd = ScdProcess(config, "--set", "checkpointing.enabled=true", "--set", "checkpointing.interval_s=2.0")
     scd_processes.append(scd)
-    scd.wait_for_line("step 3 ")
     prometheus = Prometheus(tmp_path / "prometheus", free_port(), port)
     try:
         scd.wait_for_line("checkpoint step_")
-        prometheus.wait_for_scrapes(8)
+        prometheus.wait_for_scrapes(5)
         empty = [(title, expr) for title, expr in dashboard_queries() if not prometheus.query(expr)]
         nan = [expr for _, expr in dashboard_queries()
                if any(math.isnan(float(s["value"][1])) for s in prometheus.query(expr))]

@@ -43,11 +43,11 @@ class Prometheus:
             return orjson.loads(response.read())
 
     def wait_for_scrapes(self, count: int, timeout: float = 60) -> None:
-        """Until the target has been scraped up ``count`` times (``rate`` needs two samples in its range)."""
+        """Until the target has answered ``count`` scrapes (``rate`` needs two samples in its range)."""
         deadline = time.monotonic() + timeout
         while True:
             try:
-                samples = self.query("count_over_time(up[1h])")
+                samples = self.query("sum_over_time(up[1h])")
             except OSError:
                 samples = []
             if samples and float(samples[0]["value"][1]) >= count:
