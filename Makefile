@@ -33,12 +33,10 @@ INSTALL := -e ".[dev,trackers]"
 endif
 
 # Torch first, then one resolve of everything else with torch pinned, so nothing swaps its build.
-# --no-compile: byte-compiling all ~29,000 files took a minute of the install; a module is compiled when
-# first imported instead, and most never are.
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install -q --no-compile $(PIP_EXTRA) "$(TORCH_SPEC)"
-	$(BIN)/pip install -q --no-compile $(PIP_EXTRA) $(INSTALL) "$(TORCH_SPEC)"
+	$(BIN)/pip install -q $(PIP_EXTRA) "$(TORCH_SPEC)"
+	$(BIN)/pip install -q $(PIP_EXTRA) $(INSTALL) "$(TORCH_SPEC)"
 ifeq ($(VLLM),cpu)
 	$(BIN)/pip uninstall -q -y $(VLLM_CPU_UNUSABLE)
 	$(BIN)/python -c "import vllm, transformers, torch; assert torch.__version__.endswith('+cpu'), torch.__version__"
