@@ -6,6 +6,7 @@ import json
 import math
 import re
 import signal
+import time
 from itertools import pairwise
 from pathlib import Path
 from typing import Any
@@ -248,7 +249,12 @@ def test_a_real_prometheus_has_data_for_every_dashboard_query_on_a_healthy_run(
     try:
         scd.wait_for_line("checkpoint step_")
         prometheus.wait_for_scrapes(5)
-        empty = [(title, expr) for title, expr in dashboard_queries() if not prometheus.query(expr)]
+        # Until the first train step some panels have nothing to show yet (a loaded box's first step
+        # can come after the first bundle): wait for the condition itself.
+        deadline = time.monotonic() + 90
+        while ((empty := [(title, expr) for title, expr in dashboard_queries() if not prometheus.query(expr)])
+               and time.monotonic() < deadline):
+            time.sleep(1)
         nan = [expr for _, expr in dashboard_queries()
                if any(math.isnan(float(s["value"][1])) for s in prometheus.query(expr))]
         # A NaN only where the quantile's histogram had no observation within its range.

@@ -49,6 +49,7 @@ def test_families_after_checkpoint_failure_and_restore(
     scd_processes.append(first)
     first.wait_for_line("failed (disk_full")
     first.wait_for_line("checkpoint step_")
+    first.wait_for_line("step 1 version")  # a loaded box's first bundle can come before any group completes
     text = scrape(port)
     now = time.time()
     assert value(text, "scd_checkpoint_attempts_total", outcome="failed", reason="disk_full") == 1
