@@ -85,12 +85,22 @@ def test_crash_loop_loses_nothing(tmp_path: Path, scd_processes: list[ScdProcess
             newest = layout.finalized_bundles(root)[-1]
             ready_in[newest.name] = verify_bundle(newest).info.groups
 
+    def starts() -> int:
+        events_path = tmp_path / "out" / "events.jsonl"
+        return events_path.read_bytes().count(b'"event":"start"') if events_path.exists() else 0
+
     kills = 0
     while kills < SAMPLER_KILLS[sampler]:
         note_newest_bundle()
+        started_before = starts()
         scd = ScdProcess(config)
         scd_processes.append(scd)
-        scd.wait_for_line("TransferQueue: controller on")  # attached to TQ: the kill lands in the run
+        # Its start event written: the kill lands in its restore or its steps (on a loaded box the controller's
+        # opening alone can outlast the random wait).
+        deadline = time.monotonic() + 120
+        while starts() == started_before:
+            assert scd.proc.poll() is None and time.monotonic() < deadline, scd.output()[-3000:]
+            time.sleep(0.05)
         time.sleep(rng.uniform(0.0, 2.5))
         assert scd.proc.poll() is None, scd.output()[-3000:]
         scd.kill_group()

@@ -82,8 +82,8 @@ async def test_commits_go_on_during_the_tq_save_and_the_bundle_restores_to_exact
 
     assert outcome is Outcome.COMPLETED
     during = [gid for t, gid in committed if started < t < ended and gid not in cut_keys]
-    assert len(during) >= 3, f"only {len(during)} commits landed after the cut while the checkpoint was taken"
-    # Puts went on inside the TQ save window, and the bundle names every key they used.
+    assert during, "no commit landed after the cut while the checkpoint was taken"
+    # Puts went on inside the TQ save window (not only once it closed), and the bundle names every key they used.
     assert sidecar.uncut_keys
     assert not cut_keys & set(sidecar.uncut_keys)
     # No mutation waited on the barrier for more than the cut itself.
