@@ -198,14 +198,25 @@ def ledger_accounts_for_every_admission(controller: Controller) -> None:
 
 
 async def test_drain_and_aborts_commit_no_truncated_group_and_lose_no_prompt(
-        engine: VLLMBackend, tiny_llama: Path, tmp_path: Path, partition: str) -> None:
-    # Staleness 0: every weight sync aborts every request still running, so aborts really happen; a
-    # buffer and a commit queue far above what a step takes keep the engine busy at every sync (a
-    # buffer of 64, or a full commit queue, can leave nothing running to abort): admission unpaced.
+        engine: VLLMBackend, tiny_llama: Path, tmp_path: Path, partition: str,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # Staleness 0: every weight sync aborts every request still running, so aborts really happen.  The
+    # window caps admission at one step's groups, whose slots free as the step finishes, just before its
+    # sync: a slow box paused the engines before the next groups reached them (they then started under the
+    # new version, and nothing was aborted in 240 s).  Each sync here starts once requests are running.
     config = vllm_config(tiny_llama, tmp_path / "out", partition,
                          async_rl={"sampler": {"name": "windowed", "max_staleness_versions": 0},
                                    "buffer_capacity_groups": 512, "pace_admission": False},
                          generation={"max_new_tokens": 8, "max_inflight_prompts": 32, "commit_queue_groups": 512})
+    update_weights = engine.update_weights
+
+    async def update_weights_once_generating(*args: Any, **kwargs: Any) -> None:
+        with anyio.move_on_after(10):
+            while not running_requests(engine):
+                await anyio.sleep(0.005)
+        await update_weights(*args, **kwargs)
+
+    monkeypatch.setattr(engine, "update_weights", update_weights_once_generating)
     redispatched = REGISTRY.get_sample_value("scd_generation_groups_redispatched_total") or 0.0
     triggers = Triggers()
     async with Controller.open(config, backend=engine) as controller:
