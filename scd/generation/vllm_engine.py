@@ -174,8 +174,10 @@ def engine_args(config: Config, policy: Policy, devices: EngineDevices) -> dict[
     }
 
 
-async def start_engine(config: Config, policy: Policy, devices: EngineDevices, count: int, vllm: Any) -> Any:
-    """A started AsyncLLM on ``devices``, the ``count``-engine run's engine ``devices.index``."""
+async def start_engine(config: Config, policy: Policy, devices: EngineDevices, count: int, vllm: Any,
+                       stat_logger: type) -> Any:
+    """A started AsyncLLM on ``devices``, the ``count``-engine run's engine ``devices.index``, recording vLLM's
+    metrics through ``stat_logger`` (``SharedVllmMetrics.logger_for``)."""
     from scd.generation.weight_transfer import LOOPBACK_HOST, LOOPBACK_INTERFACES, OWNER_ENV
 
     name = engine_name(devices, count)
@@ -189,7 +191,7 @@ async def start_engine(config: Config, policy: Policy, devices: EngineDevices, c
 
     def start() -> Any:
         with _environment(environment):
-            return vllm.AsyncLLMEngine.from_engine_args(args)
+            return vllm.AsyncLLMEngine.from_engine_args(args, stat_loggers=[stat_logger])
 
     timeout_s = config.generation.vllm.start_timeout_s
     log.info("starting %s for %s", name, policy.model_dir)

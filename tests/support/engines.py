@@ -13,14 +13,14 @@ def running_requests(backend: VLLMBackend) -> int:
 
 
 def vllm_generated_tokens(backend: VLLMBackend) -> float:
-    """vLLM's own count of the tokens these engines generated (``vllm:generation_tokens``), read from each
-    engine's stat logger: the process registry shows only the last AsyncLLM opened in it (each one's
-    Prometheus logger unregisters every ``vllm:`` collector before registering its own)."""
+    """vLLM's own count of the tokens these engines generated (``vllm:generation_tokens``), read from the
+    logger they share: the process registry shows only the newest one (making a vLLM Prometheus logger
+    unregisters every ``vllm:`` collector, and a test may open another AsyncLLM after this backend)."""
     from vllm.v1.metrics.loggers import PrometheusStatLogger
 
-    return sum(child._value.get()
-               for engine in backend.engines for logger in engine.llm.logger_manager.stat_loggers
-               if isinstance(logger, PrometheusStatLogger) for child in logger.counter_generation_tokens.values())
+    shared = {id(logger.shared): logger.shared for engine in backend.engines
+              for logger in engine.llm.logger_manager.stat_loggers if isinstance(logger, PrometheusStatLogger)}
+    return sum(child._value.get() for logger in shared.values() for child in logger.counter_generation_tokens.values())
 
 
 async def engines_paused(backend: VLLMBackend) -> list[bool]:
