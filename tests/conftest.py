@@ -219,10 +219,11 @@ class ScdProcess:
             self._log.flush()
         return self.log_path.read_text(errors="replace")
 
-    def wait_for_line(self, needle: str, timeout: float = 120) -> None:
+    def wait_for_line(self, needle: str, timeout: float = 120, times: int = 1) -> None:
+        """Until ``needle`` has appeared in the output ``times`` times."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if needle in self.output():
+            if self.output().count(needle) >= times:
                 return
             if self.proc.poll() is not None:
                 raise AssertionError(f"scd exited {self.proc.returncode} before {needle!r}:\n{self.output()[-4000:]}")
