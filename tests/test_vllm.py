@@ -203,17 +203,22 @@ async def test_drain_and_aborts_commit_no_truncated_group_and_lose_no_prompt(
     # Staleness 0: every weight sync aborts every request still running, so aborts really happen.  The
     # window caps admission at one step's groups, whose slots free as the step finishes, just before its
     # sync: a slow box paused the engines before the next groups reached them (they then started under the
-    # new version, and nothing was aborted in 240 s).  Each sync here starts once requests are running.
+    # new version, and nothing was aborted in 240 s).  Each sync after a train step starts once requests are
+    # running (the run's opening sync comes before anything is admitted: waiting on it waited out the 10 s).
     config = vllm_config(tiny_llama, tmp_path / "out", partition,
                          async_rl={"sampler": {"name": "windowed", "max_staleness_versions": 0},
                                    "buffer_capacity_groups": 512, "pace_admission": False},
                          generation={"max_new_tokens": 8, "max_inflight_prompts": 32, "commit_queue_groups": 512})
     update_weights = engine.update_weights
+    syncs = 0
 
     async def update_weights_once_generating(*args: Any, **kwargs: Any) -> None:
-        with anyio.move_on_after(10):
-            while not running_requests(engine):
-                await anyio.sleep(0.005)
+        nonlocal syncs
+        syncs += 1
+        if syncs > 1:
+            with anyio.move_on_after(10):
+                while not running_requests(engine):
+                    await anyio.sleep(0.005)
         await update_weights(*args, **kwargs)
 
     monkeypatch.setattr(engine, "update_weights", update_weights_once_generating)
@@ -222,7 +227,7 @@ async def test_drain_and_aborts_commit_no_truncated_group_and_lose_no_prompt(
     async with Controller.open(config, backend=engine) as controller:
 
         async def shut_down_mid_generation() -> None:
-            while controller.state.trainer_step < 3 or not running_requests(engine):
+            while controller.state.trainer_step < 2 or not running_requests(engine):
                 await anyio.sleep(0.01)
             triggers.shutdown.set()
 
