@@ -19,9 +19,11 @@ min(1, R_t / R_g) of the time generates waste.  Held-out evaluation is a row of 
 engines generate it are taken out of the window (engines, trainer and wall clock alike: the trainer waits
 for it, the engines serve it) and its tokens out of the generated ones, so neither the ratios nor the
 bound count it.  Both rates are estimated over the same sliding window, and ``scd_engine_busy_bound`` is
-that minimum.  Paced admission (``Rollouts.has_capacity``) is what lets generation reach it without
-waste.  R_g is measured at the occupancy the engine had when busy: an engine that is faster when fuller
-than the run keeps it is credited with less.
+that minimum; ``scd_trainer_starved_ratio`` (the share of the window the trainer waited for a batch) is
+what a steady state falls short of it by: busy x R_g = R_t x (1 - starved).  Paced admission
+(``Rollouts.has_capacity``) is what lets generation reach it without waste.  R_g is measured at the
+occupancy the engine had when busy: an engine that is faster when fuller than the run keeps it is credited
+with less.
 """
 
 from __future__ import annotations
@@ -70,6 +72,7 @@ class GoodputReading:
     engine_busy_bound: float | None  # min(1, R_t / R_g); None until both rates have been measured
     trainer_groups_per_s: float | None  # R_t
     generation_groups_per_s: float | None  # R_g
+    trainer_starved_ratio: float  # share of the window the trainer waited for a batch: busy falls short of bound by it
     generated_tokens: int  # since the run started
     wasted_tokens: int
     trained_tokens: int  # of groups this run committed
@@ -88,6 +91,7 @@ class GoodputReading:
             "engine_busy_ratio": self.engine_busy_ratio, "engine_busy_bound": self.engine_busy_bound,
             "trainer_groups_per_s": self.trainer_groups_per_s,
             "generation_groups_per_s": self.generation_groups_per_s,
+            "trainer_starved_ratio": self.trainer_starved_ratio,
             "generation_waste_ratio": self.waste_ratio, "goodput_ratio": self.goodput_ratio,
             "run_generated_tokens": self.generated_tokens, "run_wasted_tokens": self.wasted_tokens,
             "run_trained_tokens": self.trained_tokens,
@@ -183,7 +187,8 @@ class GoodputMeter:
         busy = {name: max(0.0, self._busy_delta(before, engine) - eval_s) for name, engine in after.engines.items()}
         ratios = {name: min(1.0, seconds / elapsed) if elapsed > 0 else 0.0 for name, seconds in busy.items()}
         trained = after.trained_groups - before.trained_groups
-        trainer_busy = elapsed - (after.trainer_starved_s - before.trainer_starved_s)
+        starved = after.trainer_starved_s - before.trainer_starved_s
+        trainer_busy = elapsed - starved
         eval_tokens_each = (after.eval_tokens - before.eval_tokens) / max(1, len(after.engines))
         if trained and trainer_busy > 0:
             self._trainer_rate = trained / trainer_busy
@@ -199,7 +204,8 @@ class GoodputMeter:
                      - self._generated_at_start)
         return GoodputReading(
             engine_busy_ratio=ratios, engine_busy_bound=bound, trainer_groups_per_s=self._trainer_rate,
-            generation_groups_per_s=self._generation_rate, generated_tokens=generated,
+            generation_groups_per_s=self._generation_rate,
+            trainer_starved_ratio=min(1.0, starved / elapsed) if elapsed > 0 else 0.0, generated_tokens=generated,
             wasted_tokens=self._rollouts.statistics().wasted_tokens - self._wasted_at_start,
             trained_tokens=self._own_trained_tokens,
         )
@@ -220,5 +226,6 @@ def _publish(reading: GoodputReading) -> None:
         metrics.trainer_groups_per_second.set(reading.trainer_groups_per_s)
     if reading.generation_groups_per_s is not None:
         metrics.generation_groups_per_second.set(reading.generation_groups_per_s)
+    metrics.trainer_starved_ratio.set(reading.trainer_starved_ratio)
     metrics.generation_waste_ratio.set(reading.waste_ratio)
     metrics.goodput_ratio.set(reading.goodput_ratio)

@@ -136,12 +136,15 @@ async def test_the_busy_ratio_falls_to_the_bound_when_training_is(partition: str
     # takes.  Long completions make training, not the per-group cost of a commit, what limits the run.
     last = await measured_regime(partition, tmp_path, 100_000.0, seconds=8.0, completion_tokens=32)
     busy, bound = last["engine_busy_ratio"]["0"], last["engine_busy_bound"]
-    print(f"train-bound: busy {busy:.3f}, bound {bound:.3f}, R_t {last['trainer_groups_per_s']:.1f}, "
+    print(f"train-bound: busy {busy:.3f}, bound {bound:.3f}, starved {last['trainer_starved_ratio']:.3f}, "
+          f"R_t {last['trainer_groups_per_s']:.1f}, "
           f"R_g {last['generation_groups_per_s']:.1f} groups/s")
     assert bound < 0.7
-    # Never busier than the bound (that would be waste); short of it only while the trainer waits for
-    # a refill (admission, generation and commit of a step's groups must fit in one step's training).
-    assert 0.6 * bound <= busy <= 1.15 * bound
+    # Never busier than the bound (that would be waste); short of it only by the share of time the trainer
+    # waited for a refill.  That share is the box's to set (a loaded CI box measured busy 0.59 of the bound),
+    # the identity is not: generated groups (busy x R_g) equal trained ones (R_t x its own time).
+    starved = last["trainer_starved_ratio"]
+    assert 0.85 * bound * (1 - starved) <= busy <= 1.15 * bound
     assert last["generation_waste_ratio"] <= 0.01
 
 
@@ -194,9 +197,10 @@ def trained_group(completion_tokens: int) -> GroupMeta:
 def test_an_evaluation_is_a_row_of_its_own_neither_busy_time_nor_generated_tokens_of_training(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """20 s: the engine generates 1000 training tokens in its first 5 s, then idles, and an eval keeps it busy
-    from 10 s to 14 s (400 tokens).  The eval's 4 s leave the window, the engine's busy time and the trainer's
-    own time; its tokens leave the generated ones: busy 5 / 16 s, R_g 200 tokens per busy second, goodput
-    800 / 1000.  Counted as training, they would read busy 9 / 20, R_g 1400 / 9 and goodput 800 / 1400."""
+    from 10 s to 14 s (400 tokens); the trainer waits for a batch from 14 s to 16 s.  The eval's 4 s leave the
+    window, the engine's busy time and the trainer's own time; its tokens leave the generated ones: busy 5 / 16 s,
+    R_g 200 tokens per busy second, R_t 8 groups / 14 s, starved 2 / 16 s, goodput 800 / 1000.  Counted as
+    training, they would read busy 9 / 20, R_g 1400 / 9 and goodput 800 / 1400."""
     now = [1000.0]
     monkeypatch.setattr(time, "monotonic", lambda: now[0])
     engine = _OneEngine()
@@ -213,12 +217,16 @@ def test_an_evaluation_is_a_row_of_its_own_neither_busy_time_nor_generated_token
         now[0] += 4.0
         engine.generated_tokens += 400
         meter.on_eval(400)
-    now[0] += 6.0
+    with meter.trainer_starved():
+        now[0] += 2.0
+    now[0] += 4.0
     reading = meter.on_train_step([trained_group(100)] * 8)
 
     assert reading.engine_busy_ratio == {"0": pytest.approx(5.0 / 16.0)}
     assert reading.generated_tokens == 1000 and reading.trained_tokens == 800
     assert reading.goodput_ratio == pytest.approx(0.8) and reading.waste_ratio == 0.0
-    assert reading.trainer_groups_per_s == pytest.approx(8 / 16.0)  # its own time: the 16 s the eval did not hold
+    # Its own time: the 16 s the eval did not hold, less the 2 s it waited for a batch.
+    assert reading.trainer_groups_per_s == pytest.approx(8 / 14.0)
+    assert reading.trainer_starved_ratio == pytest.approx(2 / 16.0)
     assert reading.generation_groups_per_s == pytest.approx((1000 / 5.0) / 100)
-    assert reading.engine_busy_bound == pytest.approx(min(1.0, (8 / 16.0) / 2.0))
+    assert reading.engine_busy_bound == pytest.approx(min(1.0, (8 / 14.0) / 2.0))

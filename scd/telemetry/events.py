@@ -97,6 +97,7 @@ class TrainStep(Event, tag="train_step", kw_only=True):
     engine_busy_bound: float | None
     trainer_groups_per_s: float | None
     generation_groups_per_s: float | None
+    trainer_starved_ratio: float
     generation_waste_ratio: float
     goodput_ratio: float
     run_generated_tokens: int  # run_*: counts since this process's run started

@@ -89,6 +89,11 @@ engine_busy_bound = Gauge(
 trainer_groups_per_second = Gauge(
     "scd_trainer_groups_per_second", "R_t: groups the trainer takes per second of its own work (read, step, sync)"
 )
+trainer_starved_ratio = Gauge(
+    "scd_trainer_starved_ratio",
+    "Share of wall time the trainer waited for a batch, over telemetry.goodput_window_s (engines fall short of "
+    "their bound by it)",
+)
 generation_groups_per_second = Gauge(
     "scd_generation_groups_per_second", "R_g: groups generation makes per busy second, summed over engines"
 )
