@@ -53,9 +53,12 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.xdist_group(group))
         if SLOW_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.slow)
-    # vLLM's group is the longest unit of work: handed out first, it runs beside everything else instead of
-    # after it (a stable sort keeps every other test in file order; every worker sorts alike).
-    items.sort(key=lambda item: shared_fixture_group(item) != "vllm")
+    # Longest first, so that two workers finish together.  vLLM's group is the longest unit of work: handed
+    # out first, it runs beside everything else instead of after it.  xdist hands out the other groups by
+    # size (--loadscope-reorder), then single tests in this order: slow ones before quick ones, which fill
+    # the tail instead of a worker idling through another's last minute-long run.  A stable sort keeps file
+    # order within each class; every worker sorts alike.
+    items.sort(key=lambda item: (shared_fixture_group(item) != "vllm", item.get_closest_marker("slow") is None))
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
