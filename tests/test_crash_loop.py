@@ -59,6 +59,16 @@ max_concurrent_batches = 2
 """
 
 
+def wait_until_the_newest_bundle_holds_part_way_siblings(root: Path, timeout: float = 60) -> None:
+    """The prefixes loop kills only then, so that the next process's restore has part-way siblings to resume
+    (a random moment on a loaded box can fall before any bundle holds one)."""
+    deadline = time.monotonic() + timeout
+    while not ((bundles := layout.finalized_bundles(root))
+               and orjson.loads((bundles[-1] / layout.SIDECAR_FILE).read_bytes())["prefixes"]):
+        assert time.monotonic() < deadline, f"no bundle held a part-way sibling within {timeout}s"
+        time.sleep(0.02)
+
+
 def crash_loop_config(tmp_path: Path, sampler: str, ray_address: str) -> Path:
     name = "windowed" if sampler == PREFIXES else sampler
     sampler_section = f'[async_rl.sampler]\nname = "{name}"\nmax_staleness_versions = 1\n'
@@ -102,6 +112,8 @@ def test_crash_loop_loses_nothing(tmp_path: Path, scd_processes: list[ScdProcess
             assert scd.proc.poll() is None and time.monotonic() < deadline, scd.output()[-3000:]
             time.sleep(0.05)
         time.sleep(rng.uniform(0.0, 2.5))
+        if sampler == PREFIXES:
+            wait_until_the_newest_bundle_holds_part_way_siblings(root)
         assert scd.proc.poll() is None, scd.output()[-3000:]
         scd.kill_group()
         kills += 1

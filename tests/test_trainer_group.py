@@ -167,20 +167,22 @@ async def test_ranks_that_cannot_be_placed_exit_2_naming_what_was_asked_and_what
         assert two.statistics().world_size == 2
 
 
-def world_config(tmp_path: Path, world_size: int, ray_address: str) -> Path:
-    """tests/conftest.py's TINY run at ``world_size`` on the worker's Ray, every size sharing one output and
-    checkpoint dir."""
-    text = write_config(tmp_path, max_steps=100_000, extra=CHECKPOINTS_ON_REQUEST, ray_address=ray_address).read_text()
-    text = text.replace("groups_per_step = 8\n", f"groups_per_step = 8\nworld_size = {world_size}\n")
+def world_config(tmp_path: Path, world_size: int) -> Path:
+    """tests/conftest.py's TINY run at ``world_size`` on an embedded Ray of its own, every size sharing one
+    output and checkpoint dir.  (On the worker's Ray, a world-size-2 run once hung after its ranks' rendezvous,
+    2026-12-07, unexplained: the embedded Ray is what this test ran reliably on.)"""
+    text = write_config(tmp_path, max_steps=100_000, extra=CHECKPOINTS_ON_REQUEST).read_text()
+    text = text.replace("num_cpus = 3", "num_cpus = 5").replace(
+        "groups_per_step = 8\n", f"groups_per_step = 8\nworld_size = {world_size}\n")
     path = tmp_path / f"world-{world_size}.toml"
     path.write_text(text)
     return path
 
 
 def test_world_size_one_two_one_across_restarts_and_a_killed_rank_exits_1_naming_it(
-        tmp_path: Path, scd_processes: list[ScdProcess], session_ray: str) -> None:
+        tmp_path: Path, scd_processes: list[ScdProcess]) -> None:
     root = tmp_path / "out" / "checkpoints"
-    one, two = world_config(tmp_path, 1, session_ray), world_config(tmp_path, 2, session_ray)
+    one, two = world_config(tmp_path, 1), world_config(tmp_path, 2)
     first = ScdProcess(one, "--max-steps", "2")
     scd_processes.append(first)
     assert first.wait(timeout=300) == 0, first.output()[-3000:]
