@@ -21,6 +21,7 @@ from scd.checkpoint import layout
 from scd.checkpoint.verify import verify_bundle
 from scd.report import goodput_totals
 from tests.conftest import ScdProcess, write_config
+from tests.support.bundles import part_way_siblings
 
 CHECKPOINTS = "\n[checkpointing]\nenabled = true\ninterval_s = 0.5\nkeep_last = 3\n"
 KILLS = int(os.environ.get("SCD_SOAK_KILLS", "8"))
@@ -64,7 +65,7 @@ def wait_until_the_newest_bundle_holds_part_way_siblings(root: Path, timeout: fl
     (a random moment on a loaded box can fall before any bundle holds one)."""
     deadline = time.monotonic() + timeout
     while not ((bundles := layout.finalized_bundles(root))
-               and orjson.loads((bundles[-1] / layout.SIDECAR_FILE).read_bytes())["prefixes"]):
+               and part_way_siblings(bundles[-1])):
         assert time.monotonic() < deadline, f"no bundle held a part-way sibling within {timeout}s"
         time.sleep(0.02)
 

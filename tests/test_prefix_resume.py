@@ -22,7 +22,7 @@ from scd.records import Completion
 from scd.schema import FinishedSiblingRecord, PrefixRecord, Sidecar, decode
 from scd.triggers import Triggers
 from tests.conftest import tiny_config
-from tests.support.bundles import edit_json
+from tests.support.bundles import edit_json, part_way_siblings
 
 # Long completions at a rate where a batch takes seconds: most sequences are part-way at any cut.
 SYNTHETIC = {"backend": "synthetic", "max_inflight_prompts": 16, "max_new_tokens": 100,
@@ -65,8 +65,7 @@ async def crash_after_a_checkpoint_with_prefixes(config: Any, backend: Generatio
                         while controller.state.trainer_step == step:
                             await anyio.sleep(0.01)
                         continue
-                    sidecar = orjson.loads((layout.finalized_bundles(root)[-1] / layout.SIDECAR_FILE).read_bytes())
-                    if sidecar["prefixes"]:  # every prefix is part-way (finished siblings are listed apart)
+                    if part_way_siblings(layout.finalized_bundles(root)[-1]):
                         break
             tg.cancel_scope.cancel()
     await DataPlane(config.data_plane).clear_all()
@@ -138,7 +137,7 @@ async def test_a_prefix_out_of_the_window_is_dropped_and_generated_again_and_a_w
 
     # A window of 0 versions at the cut's step: every prefix sampled before it is out.
     narrow = long_task_config(tmp_path, partition, async_rl={"sampler": {"max_staleness_versions": 0}})
-    prefixes = orjson.loads((bundle / layout.SIDECAR_FILE).read_bytes())["prefixes"]
+    prefixes = part_way_siblings(bundle)
     old = [p for p in prefixes if p[4][0][1] < step]
     assert old, "no prefix older than the cut's version"
     async with Controller.open(narrow) as controller:
@@ -213,7 +212,7 @@ async def test_a_bundle_written_as_schema_4_restores_as_it_does_as_schema_5(tmp_
             edit_json(root / bundle.name, layout.SIDECAR_FILE, as_schema_4)
             edit_json(root / bundle.name, layout.DATALOADER_FILE, lambda d: d.update(schema_version=4))
             edit_json(root / bundle.name, layout.TRAINING_INFO_FILE, lambda d: d.update(schema_version=4))
-            assert orjson.loads((root / bundle.name / layout.SIDECAR_FILE).read_bytes())["prefixes"]
+            assert part_way_siblings(root / bundle.name)
         await DataPlane(config.data_plane).clear_all()
         async with Controller.open(long_task_config(tmp_path, partition, checkpoints=root)) as controller:
             report = await controller.restore()
@@ -231,7 +230,7 @@ async def test_a_prefix_longer_than_its_answer_within_max_new_tokens_is_resumed(
     config = long_task_config(tmp_path, partition)
     config = msgspec.structs.replace(config, task=msgspec.structs.replace(config.task, min_digits=4, max_digits=4))
     bundle = await crash_after_a_checkpoint_with_prefixes(config)
-    part_way = orjson.loads((bundle / layout.SIDECAR_FILE).read_bytes())["prefixes"]
+    part_way = part_way_siblings(bundle)
     assert any(len(p[2]) > 4 for p in part_way)
     async with Controller.open(config) as controller:
         report = await controller.restore()

@@ -40,6 +40,7 @@ from scd.model.policy import HFPolicy, state_copy
 from scd.records import COMPLETE, Completion
 from scd.triggers import Triggers
 from tests.conftest import REPO, ScdProcess, vllm_cpu_config
+from tests.support.bundles import part_way_siblings
 from tests.support.engines import engines_paused, running_requests, vllm_generated_tokens, worker_parameters
 from tests.support.scores import ZERO_SCORES
 from tests.test_export import export, load_holding_the_bundles_weights
@@ -343,12 +344,11 @@ def test_vllm_with_two_trainer_ranks_checkpoints_is_killed_restores_and_trains_o
         while not set(layout.finalized_bundles(root)) - before and time.monotonic() < deadline:
             time.sleep(0.05)
         [bundle] = set(layout.finalized_bundles(root)) - before
-        sidecar = orjson.loads((bundle / layout.SIDECAR_FILE).read_bytes())
-        prefixes, finished = sidecar["prefixes"], sidecar["finished_siblings"]
-        if prefixes:  # part-way ones only; finished siblings are listed apart
+        if prefixes := part_way_siblings(bundle):
             break
         first.wait_for_line(f"step {layout.step_of(bundle) + 1} ")
     verify_bundle(bundle)
+    finished = orjson.loads((bundle / layout.SIDECAR_FILE).read_bytes())["finished_siblings"]
     step = layout.step_of(bundle)
     assert step is not None and prefixes
     first.kill_group()

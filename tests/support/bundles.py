@@ -33,3 +33,9 @@ def edit_json(bundle: Path, name: str, change: Callable[[dict[str, Any]], None],
     path.write_bytes(orjson.dumps(data))
     if seal:
         reseal(bundle)
+
+
+def part_way_siblings(bundle: Path) -> list[Any]:
+    """The bundle's part-way siblings as its sidecar lists them (finished siblings are listed apart), so
+    that a test can wait for a bundle a restore resumes something from."""
+    return orjson.loads((bundle / layout.SIDECAR_FILE).read_bytes())["prefixes"]
