@@ -10,6 +10,7 @@ from __future__ import annotations
 import errno
 import shutil
 import subprocess
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,7 @@ import torch
 from prometheus_client import REGISTRY
 
 from scd.checkpoint import layout
+from scd.checkpoint import restore as restore_module
 from scd.checkpoint.checkpointer import CheckpointFailed
 from scd.checkpoint.restore import keep_history_linear, resolve_bundle
 from scd.checkpoint.verify import BundleError, verify_bundle
@@ -55,16 +57,23 @@ async def read_rows(controller: Controller, keys: list[str]) -> dict[str, tuple[
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
 async def golden(tq_session: None, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """Two finalized bundles (steps 3 and 6) from a real run, and the TQ rows at the last one."""
-    root = tmp_path_factory.mktemp("golden") / "checkpoints"
-    await clear_partition(PARTITION)
-    config = config_for(root, async_rl={"buffer_capacity_groups": 32})
-    async with Controller.open(config) as controller:
-        await controller.run(max_steps=3)
-        await controller.run(max_steps=6)
-        bundles = layout.finalized_bundles(root)
-        sidecar = orjson.loads((bundles[-1] / layout.SIDECAR_FILE).read_bytes())
-        rows = await read_rows(controller, sorted(g["group_id"] for g in sidecar["groups"]))
+    """Two finalized bundles (steps 3 and 6) from a real run, the last holding ready groups, and the TQ rows
+    at it.  A step's groups are generated in one batch: on a loaded box that batch can still be running when
+    step 6's bundle is cut, which then holds none (2026-12-07, twice), and the run is made again."""
+    for _ in range(3):
+        root = tmp_path_factory.mktemp("golden") / "checkpoints"
+        await clear_partition(PARTITION)
+        config = config_for(root, async_rl={"buffer_capacity_groups": 32})
+        async with Controller.open(config) as controller:
+            await controller.run(max_steps=3)
+            await controller.run(max_steps=6)
+            bundles = layout.finalized_bundles(root)
+            sidecar = orjson.loads((bundles[-1] / layout.SIDECAR_FILE).read_bytes())
+            if sidecar["groups"]:
+                rows = await read_rows(controller, sorted(g["group_id"] for g in sidecar["groups"]))
+                break
+    else:
+        raise AssertionError("three golden runs each cut step 6's bundle with no ready group")
     await clear_partition(PARTITION)
     assert [layout.step_of(b) for b in bundles] == [3, 6]
     return {"root": root, "rows": rows, "groups": len(sidecar["groups"])}
@@ -114,6 +123,44 @@ async def test_restore_gives_back_every_row_tensor_for_tensor(golden: dict[str, 
         assert torch.equal(logprobs, before[sid][1])
     assert len(ready) == golden["groups"]
     assert [layout.step_of(b) for b in layout.finalized_bundles(root)] == [3, 6, 8]
+
+
+async def test_restore_reads_and_hashes_the_bundle_while_the_event_loop_goes_on(
+        golden: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each check of a bundle's files runs in a worker thread: hashing a large bundle takes seconds, in which
+    signals and ``/healthz`` must still be answered.  Each check here first waits for the event loop to run;
+    one called on the loop would wait out its timeout and fail the restore."""
+    root = copy_bundles(golden, tmp_path)
+    waiting: list[threading.Event] = []
+    checked: list[str] = []
+
+    def after_a_loop_tick(check: Callable[..., Any]) -> Callable[..., Any]:
+        def gated(*args: Any, **kwargs: Any) -> Any:
+            ticked = threading.Event()
+            waiting.append(ticked)
+            assert ticked.wait(timeout=10), f"restore ran {check.__name__} on the event loop"
+            checked.append(check.__name__)
+            return check(*args, **kwargs)
+        return gated
+
+    async def tick() -> None:
+        while True:
+            while waiting:
+                waiting.pop().set()
+            await anyio.sleep(0.005)
+
+    for name in ("verify_files", "read_metadata", "require_cursor_ahead_of_ledger", "load_trainer_state_verified"):
+        monkeypatch.setattr(restore_module, name, after_a_loop_tick(getattr(restore_module, name)))
+    await clear_partition(PARTITION)
+    async with Controller.open(config_for(root)) as controller:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(tick)
+            report = await controller.restore()
+            tg.cancel_scope.cancel()
+    await clear_partition(PARTITION)
+    assert report is not None and report.step == 6
+    assert checked == ["verify_files", "read_metadata", "require_cursor_ahead_of_ledger",
+                       "load_trainer_state_verified"]
 
 
 def finished_over_budget(sidecar: dict[str, Any]) -> None:

@@ -200,12 +200,18 @@ def abandon_bundles(root: Path, bundles: list[Path]) -> Path:
     return target
 
 
-def verify_or_point_elsewhere(bundle: Path, explicit: bool, check: Callable[[], T]) -> T:
-    """``check()``; a bundle that fails it names the newest older one that verifies (unless chosen by hand)."""
-    try:
-        return check()
-    except BundleError as exc:
-        raise BundleError(bundle, exc.reason + older_bundle_hint(bundle, explicit)) from None
+async def verify_or_point_elsewhere(bundle: Path, explicit: bool, check: Callable[[], T]) -> T:
+    """``check()``, in a worker thread: it reads and hashes a bundle's files, seconds on a large bundle that
+    the event loop (signals, ``/healthz``) must not wait out.  A bundle that fails it names the newest
+    older one that verifies (unless chosen by hand)."""
+
+    def checked() -> T:
+        try:
+            return check()
+        except BundleError as exc:
+            raise BundleError(bundle, exc.reason + older_bundle_hint(bundle, explicit)) from None
+
+    return await anyio.to_thread.run_sync(checked)
 
 
 def older_bundle_hint(bundle: Path, explicit: bool) -> str:
@@ -263,9 +269,10 @@ async def restore_state(config: Config, parts: RestoreParts, restore_from: Path 
         log.info("no checkpoint in %s: starting empty", root)
         return None
     explicit = restore_from is not None
-    info = verify_or_point_elsewhere(bundle, explicit, lambda: verify_files(bundle, hashed_while_read=POLICY_FILES))
+    info = await verify_or_point_elsewhere(bundle, explicit,
+                                           lambda: verify_files(bundle, hashed_while_read=POLICY_FILES))
     clock.lap(RestorePhase.RESOLVE)
-    verified = verify_or_point_elsewhere(bundle, explicit, lambda: read_metadata(bundle, info))
+    verified = await verify_or_point_elsewhere(bundle, explicit, lambda: read_metadata(bundle, info))
     check_against_config(config, state, verified, allow_config_change)
     sidecar = verified.sidecar
     shadow = not state.sampler.supports_replay_checkpoint
@@ -278,7 +285,7 @@ async def restore_state(config: Config, parts: RestoreParts, restore_from: Path 
 
     dl = verified.dataloader
     dataloader = DataloaderState(seed=dl.seed, epoch=dl.epoch, cursor=dl.cursor)
-    verify_or_point_elsewhere(bundle, explicit, lambda: require_cursor_ahead_of_ledger(
+    await verify_or_point_elsewhere(bundle, explicit, lambda: require_cursor_ahead_of_ledger(
         PromptOrder(state.order.num_prompts, dataloader), verified.ledger, bundle))
     clock.lap(RestorePhase.DATALOADER)
     # Every refusal comes before anything is loaded into TQ, and all but a trainer state file's digest before
@@ -287,8 +294,8 @@ async def restore_state(config: Config, parts: RestoreParts, restore_from: Path 
         await require_clean_data_plane(dataplane, bundle)
     clock.lap(RestorePhase.TQ)
 
-    optimizer_changes = await anyio.to_thread.run_sync(verify_or_point_elsewhere, bundle, explicit,
-                                                       lambda: load_trainer_state_verified(parts.trainer, bundle, info))
+    optimizer_changes = await verify_or_point_elsewhere(
+        bundle, explicit, lambda: load_trainer_state_verified(parts.trainer, bundle, info))
     for key, (old, new) in optimizer_changes.items():
         log.warning("restore: %s is %s in the config, %s in %s: the config's applies from now on", key, new, old,
                     bundle)
