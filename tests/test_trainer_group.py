@@ -3,9 +3,11 @@ size 1, state that moves between world sizes exactly, and weights exported a lay
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import signal
+import socket
 import tomllib
 from pathlib import Path
 
@@ -19,7 +21,7 @@ from scd.errors import ConfigError
 from scd.model.policy import build_policy
 from scd.model.weights import ChunkedWeights, layer_chunks
 from scd.records import Rollout
-from scd.training.group import TrainerGroup
+from scd.training.group import TrainerGroup, rank_actor
 from scd.training.grpo import GRPOTrainer
 from tests.conftest import ScdProcess, tiny_config, tree_digest, write_config
 from tests.test_process import metric, scrape
@@ -165,6 +167,22 @@ async def test_ranks_that_cannot_be_placed_exit_2_naming_what_was_asked_and_what
     # The placement group was removed: a group that fits is placed at once afterwards.
     async with TrainerGroup.open(two_config) as two:
         assert two.statistics().world_size == 2
+
+
+def test_rank_0_holds_the_rendezvous_port_from_the_moment_it_names_it(tmp_path: Path, tq_session: None) -> None:
+    """The port rank 0 hands the others is its store's, listening already: a port probed and let go was
+    once taken by another connection before the store listened (a restart exited 1 with EADDRINUSE)."""
+    import ray
+
+    config = tiny_config(tmp_path, "unused", trainer={"world_size": 2})
+    rank = rank_actor().remote(config, 0, 2)
+    try:
+        host, port = ray.get(rank.rendezvous_address.remote(), timeout=120)
+        with socket.socket() as taker, pytest.raises(OSError) as taken:
+            taker.bind((host, port))
+        assert taken.value.errno == errno.EADDRINUSE
+    finally:
+        ray.kill(rank, no_restart=True)
 
 
 def world_config(tmp_path: Path, world_size: int) -> Path:

@@ -2,7 +2,8 @@
 
 The ranks are Ray actors in the placement group ``scd.cluster`` asks for (one bundle of
 ``trainer.resources_per_rank`` each), on the Ray that scd already runs TQ on.
-Rank 0 picks the rendezvous address: a free port on its node's address, loopback on one machine.
+Rank 0 opens the process group's store on its node's address (loopback on one machine), on a port the
+kernel picks while the store binds it: a port probed and let go could be taken before the store listened.
 
 A step sends each rank whole groups (``shard_groups``) and the step's token count: every rank
 normalises its loss by the whole step's tokens, so the update equals world size 1's.  Ray runs
@@ -21,11 +22,11 @@ from __future__ import annotations
 import functools
 import logging
 import os
-import socket
 import time
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -90,7 +91,8 @@ def wait_all(refs: list[Any], places: Sequence[RankPlace], what: str) -> list[An
 
 
 @functools.cache
-def _rank_actor() -> Any:
+def rank_actor() -> Any:
+    """The Ray actor class of one trainer rank (made once: Ray registers it on first use)."""
     import ray
 
     # Rank 0 writes a checkpoint's files on a thread of their own ("writer"), so the next steps
@@ -100,20 +102,22 @@ def _rank_actor() -> Any:
         def __init__(self, config: Config, rank: int, world_size: int) -> None:
             self.config, self.rank, self.world_size = config, rank, world_size
             self.trainer: Any = None
+            self.store: Any = None  # rank 0's, from ``rendezvous_address``
             self.captured: tuple[dict[str, Any], dict[str, Any]] | None = None
 
         def place(self) -> tuple[str, int]:
             return ray.util.get_node_ip_address(), os.getpid()
 
         def rendezvous_address(self) -> tuple[str, int]:
+            """Rank 0's store, listening from here on (held by this actor until ``setup``)."""
+            import torch.distributed as dist
+
             host = ray.util.get_node_ip_address()
-            with socket.socket() as probe:
-                probe.bind((host, 0))
-                return host, probe.getsockname()[1]
+            self.store = dist.TCPStore(host, 0, self.world_size, is_master=True,
+                                       timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S), wait_for_workers=False)
+            return host, self.store.port
 
         def setup(self, host: str, port: int) -> list[WeightEntry]:
-            from datetime import timedelta
-
             import torch
             import torch.distributed as dist
 
@@ -126,9 +130,11 @@ def _rank_actor() -> Any:
                 os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
             torch.set_num_threads(self.config.trainer.torch_threads)
             cuda = self.config.trainer.device.startswith("cuda")
-            dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://{host}:{port}",
-                                    rank=self.rank, world_size=self.world_size,
-                                    timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+            timeout = timedelta(seconds=COLLECTIVE_TIMEOUT_S)
+            store = self.store if self.rank == 0 else dist.TCPStore(host, port, self.world_size, is_master=False,
+                                                                   timeout=timeout)
+            dist.init_process_group("nccl" if cuda else "gloo", store=store, rank=self.rank,
+                                    world_size=self.world_size, timeout=timeout)
             # Ray shows each GPU rank only its own device.
             config = self.config
             if cuda:
@@ -229,7 +235,7 @@ class TrainerGroup:
         ranks: list[Any] = []
         async with place_trainer_ranks(config) as rank_options:
             try:
-                rank_class = _rank_actor()
+                rank_class = rank_actor()
                 for rank, options in enumerate(rank_options):
                     ranks.append(rank_class.options(**options).remote(config, rank, world))
                 places = [RankPlace(rank, "(starting)", 0) for rank in range(world)]
@@ -243,8 +249,8 @@ class TrainerGroup:
                 log.info("trainer: %d ranks (%s), rendezvous %s:%d", world, "; ".join(map(str, places)), host, port)
                 yield cls(config, ranks, places, entries)
             finally:
-                for rank_actor in ranks:
-                    ray.kill(rank_actor, no_restart=True)
+                for started in ranks:
+                    ray.kill(started, no_restart=True)
 
     def wait_all(self, refs: list[Any], what: str) -> list[Any]:
         return wait_all(refs, self.places, what)
