@@ -109,7 +109,7 @@ def rank_actor() -> Any:
             return ray.util.get_node_ip_address(), os.getpid()
 
         def rendezvous_address(self) -> tuple[str, int]:
-            """Rank 0's store, listening from here on (held by this actor until ``setup``)."""
+            """Rank 0's store, listening from here on and held by this actor (the process group uses it)."""
             import torch.distributed as dist
 
             host = ray.util.get_node_ip_address()
