@@ -22,6 +22,7 @@ from scd.checkpoint.verify import verify_bundle
 from scd.report import goodput_totals
 from tests.conftest import ScdProcess, write_config
 from tests.support.bundles import part_way_siblings
+from tests.support.waiting import wait_until
 
 CHECKPOINTS = "\n[checkpointing]\nenabled = true\ninterval_s = 0.5\nkeep_last = 3\n"
 KILLS = int(os.environ.get("SCD_SOAK_KILLS", "8"))
@@ -60,14 +61,12 @@ max_concurrent_batches = 2
 """
 
 
-def wait_until_the_newest_bundle_holds_part_way_siblings(root: Path, timeout: float = 60) -> None:
+def wait_until_the_newest_bundle_holds_part_way_siblings(root: Path) -> None:
     """The prefixes loop kills only then, so that the next process's restore has part-way siblings to resume
-    (a random moment on a loaded box can fall before any bundle holds one)."""
-    deadline = time.monotonic() + timeout
-    while not ((bundles := layout.finalized_bundles(root))
-               and part_way_siblings(bundles[-1])):
-        assert time.monotonic() < deadline, f"no bundle held a part-way sibling within {timeout}s"
-        time.sleep(0.02)
+    (a random moment on a loaded box can fall before any bundle holds one).  Polled often: a bundle comes
+    every 0.5 s."""
+    wait_until(lambda: (bundles := layout.finalized_bundles(root)) and part_way_siblings(bundles[-1]),
+               60, "a bundle holding a part-way sibling", poll_s=0.02)
 
 
 def crash_loop_config(tmp_path: Path, sampler: str, ray_address: str) -> Path:

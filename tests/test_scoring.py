@@ -27,6 +27,7 @@ from scd.model.prompts import render_task
 from scd.rewards import RewardInput, load_rewards
 from scd.schema import Sidecar, decode
 from tests.conftest import REPO, ScdProcess, free_port, tiny_config, write_config
+from tests.support.waiting import wait_until
 
 # More prompts than the runs here admit: a row is one prompt of epoch 0, its group id e0-p<id>.
 ROWS = 256
@@ -220,13 +221,6 @@ def metric(port: int, name: str) -> float:
     _, text = fetch(port, "/metrics")
     return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + " ")
                or line.startswith(name + "{"))
-
-
-def wait_until(check: Any, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        assert time.monotonic() < deadline, f"not within {timeout}s: {what}"
-        time.sleep(0.2)
 
 
 def test_a_reward_outage_then_a_sigkill_loses_no_prompt_and_rescores_or_regenerates_nothing(
