@@ -14,6 +14,8 @@ from scd.checkpoint import layout
 from tests.conftest import REPO, SCD, ScdProcess, tree_digest, write_config
 
 HF_FILES = {"config.json", "model.safetensors", "generation_config.json", "tokenizer_config.json", "scd_export.json"}
+# Unlike the tiny Llama tokenizer's own: the prompt's text, then "=" where the answer starts.
+PLAIN_TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}{% if add_generation_prompt %}={% endif %}"
 
 
 def export(bundle: Path, out_dir: Path, *flags: str) -> subprocess.CompletedProcess[str]:
@@ -38,11 +40,25 @@ def greedy(model: torch.nn.Module, prompt: list[int]) -> list[int]:
     return generated[0, len(prompt):].tolist()
 
 
+def new_file_mode(directory: Path) -> int:
+    """The mode a file this process creates gets: 0666 less the umask."""
+    probe = directory / "mode-probe"
+    probe.touch()
+    return probe.stat().st_mode & 0o777
+
+
 def test_a_run_exports_its_final_bundle_that_transformers_loads_with_its_weights_and_scd_export_guards_its_input(
         tmp_path: Path, scd_processes: list[ScdProcess], session_ray: str, tiny_llama: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    # A dataset task whose prompts go through a chat template given as a file.
+    dataset = tmp_path / "train.jsonl"
+    dataset.write_bytes(b"".join(orjson.dumps({"prompt": f"{k * 37 % 10_000:04d}",
+                                               "answer": f"{k * 37 % 10_000:04d}"[::-1]}) + b"\n" for k in range(64)))
+    (tmp_path / "plain.jinja").write_text(PLAIN_TEMPLATE)
     config = write_config(tmp_path, ray_address=session_ray)
+    config.write_text(config.read_text().replace(
+        'name = "reverse"\nsize = 64\n', f'name = "jsonl"\npath = "{dataset}"\nchat_template = "plain.jinja"\n'))
     scd = ScdProcess(config, "--max-steps", "2", "--set", f"model.name='{tiny_llama}'",
                      "--set", "checkpointing.enabled=true", "--set", "run.export_dir='export'")
     scd_processes.append(scd)
@@ -52,6 +68,14 @@ def test_a_run_exports_its_final_bundle_that_transformers_loads_with_its_weights
     exported = out / "export"
     assert HF_FILES <= {p.name for p in exported.iterdir()}
     assert orjson.loads((exported / "scd_export.json").read_bytes())["step"] == 2
+    # Every file has a new file's mode (transformers writes the weights through a 0600 temporary file).
+    assert {p.name: oct(p.stat().st_mode & 0o777) for p in exported.iterdir()} == \
+        {p.name: oct(new_file_mode(tmp_path)) for p in exported.iterdir()}
+    # The tokenizer carries the template the run rendered its prompts with, not the model directory's.
+    tokenizer = AutoTokenizer.from_pretrained(exported, local_files_only=True)
+    assert tokenizer.chat_template == PLAIN_TEMPLATE
+    assert tokenizer.apply_chat_template([{"role": "user", "content": "1234"}], add_generation_prompt=True,
+                                         tokenize=False) == "1234="
 
     # The export's weights are the bundle's, in model.dtype; it generates as the trainer's weights do.
     loaded, saved = load_holding_the_bundles_weights(exported, bundle)
@@ -75,6 +99,12 @@ def test_a_run_exports_its_final_bundle_that_transformers_loads_with_its_weights
     assert forced.returncode == 0, forced.stderr[-3000:]
     assert HF_FILES <= {p.name for p in again.iterdir()}
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".again")) == []
+
+    # A template file edited since the run is refused: the export would carry one the policy never saw.
+    (tmp_path / "plain.jinja").write_text(PLAIN_TEMPLATE + "\n")
+    edited = export(bundle, tmp_path / "edited")
+    assert edited.returncode == 2 and f"task.chat_template = {tmp_path / 'plain.jinja'}) was edited" in edited.stderr
+    assert not (tmp_path / "edited").exists()
 
     # A bundle that fails verification writes nothing.
     data = bytearray((bundle / layout.MODEL_FILE).read_bytes())
