@@ -5,6 +5,10 @@ and one in C code (a regex backtracking) holds it for the whole call, so on a th
 however few threads there are; and a thread cannot be stopped, so a hung call kept its thread for good.
 A worker process is killed when its call runs past the deadline, and a fresh one takes its place.
 
+A worker can also die of something no completion did (the OOM killer, an operator's ``kill``).  One found
+dead while idle is replaced before it is handed a call; a call whose worker dies under it is run once more
+on a fresh worker, and fails as ``crashed`` only if that one dies too (a reward that kills its worker).
+
 Each call waits for a free worker first (a worker is started on demand, up to the pool's size, and its
 start-up is not the call's); the deadline starts when a worker takes the call.  Calls and replies are
 plain JSON lines over the worker's pipes.
@@ -13,6 +17,7 @@ plain JSON lines over the worker's pipes.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import subprocess
 import sys
@@ -39,6 +44,8 @@ _EXIT_GRACE_S = 5.0
 # The worker imports this very scd, wherever the parent's came from.
 _SCD_ROOT = str(Path(scd.__file__).resolve().parents[1])
 
+log = logging.getLogger(__name__)
+
 
 @dataclass(frozen=True, slots=True)
 class PoolStatistics:
@@ -46,6 +53,8 @@ class PoolStatistics:
     busy: int  # of those, running a call
     queued: int  # calls waiting for a worker
     killed: int  # workers killed because their call ran past its deadline or was cancelled
+    replaced: int  # idle workers found dead (killed by something else) and replaced before a call
+    retried: int  # calls run again on a fresh worker because theirs died under them
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,6 +79,16 @@ class _Worker:
     async def receive(self) -> dict[str, Any]:
         return orjson.loads(await self._replies.receive_until(b"\n", _MAX_LINE_BYTES))
 
+    def exited(self) -> bool:
+        """Whether the process has exited; it is not reaped here, so asyncio's child watcher still gets its
+        exit code."""
+        if self.process.returncode is not None:
+            return True
+        try:
+            return os.waitid(os.P_PID, self.process.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+        except ChildProcessError:  # the child watcher reaped it and has not yet told the process object
+            return True
+
     async def kill(self) -> None:
         with anyio.CancelScope(shield=True):
             with contextlib.suppress(ProcessLookupError):  # it exited on its own
@@ -87,8 +106,11 @@ class _Worker:
             await self.kill()
 
 
-class _WorkerGone(Exception):
-    """The worker exited, or closed its pipes, before it answered."""
+@dataclass(frozen=True, slots=True)
+class _DiedScoring:
+    """The call's worker exited, or closed its pipes, before it answered."""
+
+    failure: Failure
 
 
 class WorkerPool:
@@ -104,33 +126,58 @@ class WorkerPool:
         self._busy = 0
         self._queued = 0
         self._killed = 0
+        self._replaced = 0
+        self._retried = 0
 
     def statistics(self) -> PoolStatistics:
-        return PoolStatistics(workers=self._workers, busy=self._busy, queued=self._queued, killed=self._killed)
+        return PoolStatistics(workers=self._workers, busy=self._busy, queued=self._queued, killed=self._killed,
+                              replaced=self._replaced, retried=self._retried)
 
     async def call(self, call: PoolCall, timeout_s: float) -> Outcome:
-        """One reward call in a worker, killed (and later replaced) if it runs past ``timeout_s``."""
+        """One reward call in a worker, killed (and later replaced) if it runs past ``timeout_s``; run once more
+        on a fresh worker if its worker dies under it."""
         self._queued += 1
         try:
             await self._free.acquire()
         finally:
             self._queued -= 1
         try:
-            worker = self._idle.pop() if self._idle else await self._start()
-            if isinstance(worker, Failure):
-                return worker
-            return await self._run(worker, call, timeout_s)
+            outcome = await self._call_once(call, timeout_s)
+            if isinstance(outcome, _DiedScoring):
+                self._retried += 1
+                log.warning("a reward call failed, %s: it runs again on a fresh worker", outcome.failure.detail)
+                outcome = await self._call_once(call, timeout_s)
+            return outcome.failure if isinstance(outcome, _DiedScoring) else outcome
         finally:
             self._free.release()
 
-    async def _run(self, worker: _Worker, call: PoolCall, timeout_s: float) -> Outcome:
+    async def _call_once(self, call: PoolCall, timeout_s: float) -> Outcome | _DiedScoring:
+        worker = await self._live_idle_worker() or await self._start()
+        if isinstance(worker, Failure):
+            return worker
+        return await self._run(worker, call, timeout_s)
+
+    async def _live_idle_worker(self) -> _Worker | None:
+        """An idle worker still alive, those found dead collected on the way (no call's fault); None when none is."""
+        while self._idle:
+            worker = self._idle.pop()
+            if not worker.exited():
+                return worker
+            self._replaced += 1
+            self._workers -= 1
+            await worker.reap()
+            log.warning("a reward worker (pid %d) died while idle (exit code %s): a fresh one takes its place",
+                        worker.process.pid, worker.process.returncode)
+        return None
+
+    async def _run(self, worker: _Worker, call: PoolCall, timeout_s: float) -> Outcome | _DiedScoring:
         self._busy += 1
         try:
             with anyio.move_on_after(timeout_s) as deadline:
                 await worker.send(call)
                 reply = await worker.receive()
         except (anyio.BrokenResourceError, anyio.ClosedResourceError, anyio.IncompleteRead, anyio.EndOfStream):
-            return await self._lost(worker, "exited while scoring")
+            return _DiedScoring(await self._lost(worker, "exited while scoring"))
         except BaseException:  # cancelled mid-call: its answer would be read as the next call's
             await self._discard(worker, killed=True)
             raise

@@ -1,0 +1,61 @@
+"""The sync rewards' worker processes (``scd.rewards.pool``) when one dies: idle, it is replaced and no completion
+pays for it; under a call, the call gets one fresh worker, and only a reward that kills that one too fails."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import time
+from pathlib import Path
+
+from scd.rewards import load_rewards
+from tests.test_rewards import alive, item, task_config, write_module
+
+# A reward whose value is the pid of the worker that ran it; "dies_once" kills its worker the first time it
+# sees a completion (a marker file beside the module remembers it), as the OOM killer might mid-call.
+WORKERS = """
+import os
+from pathlib import Path
+
+def pid(prompt, completion, answer, row):
+    return float(os.getpid())
+
+def dies_once(prompt, completion, answer, row):
+    marker = Path(__file__).with_name(completion)
+    if not marker.exists():
+        marker.touch()
+        os._exit(9)
+    return float(os.getpid())
+"""
+
+
+def wait_dead(pid: int) -> None:
+    deadline = time.monotonic() + 10
+    while alive(pid):
+        assert time.monotonic() < deadline, f"worker {pid} still alive"
+        time.sleep(0.01)
+
+
+async def test_an_idle_worker_that_died_is_replaced_and_no_completion_pays_for_it(tmp_path: Path) -> None:
+    name = write_module(tmp_path, WORKERS)
+    config = task_config({"function": f"{name}:pid", "name": "pid"}, reward_workers=1)
+    async with contextlib.aclosing(load_rewards(config, tmp_path)) as scorer:
+        [first] = await scorer.score([item("x")])
+        os.kill(int(first.total), signal.SIGKILL)
+        wait_dead(int(first.total))
+        [second] = await scorer.score([item("x")])
+        stats = scorer.statistics()
+    assert second.total != first.total  # a fresh worker scored it
+    assert (stats.errors, stats.pool.replaced, stats.pool.retried, stats.pool.killed, stats.pool.workers) == \
+        (0, 1, 0, 0, 1)
+
+
+async def test_a_worker_that_dies_under_a_call_gets_the_call_retried_once_on_a_fresh_one(tmp_path: Path) -> None:
+    name = write_module(tmp_path, WORKERS)
+    config = task_config({"function": f"{name}:dies_once", "name": "dies_once"}, reward_workers=2)
+    async with contextlib.aclosing(load_rewards(config, tmp_path)) as scorer:
+        results = await scorer.score([item("a"), item("b")])
+        stats = scorer.statistics()
+    assert all(result.total > 0 for result in results)  # each pid: scored on the second worker it met
+    assert (stats.errors, stats.pool.retried, stats.pool.replaced, stats.pool.workers) == (0, 2, 0, 2)
