@@ -27,7 +27,7 @@ from bench import engines, evaluation, goodput, rewards, trainer_group, trainer_
 from bench.commits import ZERO_SCORES, checkpoint_now, clear, fake_group, fill
 from bench.configs import REPO, tiny
 from bench.recovery import crash_recovery, prefix_recovery, staging_cost
-from bench.summary import percentile, probe_loop
+from bench.summary import bench_module, percentile, probe_loop, work_tree, write
 from scd.checkpoint import layout
 from scd.checkpoint.save import capture_cut
 from scd.config import Config
@@ -428,11 +428,12 @@ async def main(only: frozenset[str] = frozenset()) -> None:
     import transfer_queue as tq
 
     RESULTS.mkdir(parents=True, exist_ok=True)
+    tree = work_tree()
     # 3 for TQ's controller and storage unit (and a spare), 2 for the trainer group's ranks.
     ray.init(address="local", num_cpus=5, include_dashboard=False, log_to_driver=False, _node_ip_address="127.0.0.2",
              logging_level=logging.WARNING)
     tq.init({"backend": {"SimpleStorage": {"num_data_storage_units": 1}}})
-    summary: dict[str, float] = {}
+    measured: dict[str, dict[str, float]] = {}
     known = {"cluster"}
     try:
         with TemporaryDirectory(dir=REPO / "bench") as tmp_name:
@@ -453,7 +454,7 @@ async def main(only: frozenset[str] = frozenset()) -> None:
                 if only and name not in only:
                     continue
                 started = time.monotonic()
-                summary |= await bench(tmp)
+                measured.setdefault(bench_module(bench), {}).update(await bench(tmp))
                 print(f"[{name}: {time.monotonic() - started:.0f}s]", flush=True)
     finally:
         tq.close()
@@ -462,15 +463,13 @@ async def main(only: frozenset[str] = frozenset()) -> None:
         raise SystemExit(f"bench.run: no benchmark named {sorted(only - known)}; known: {sorted(known)}")
     if not only or "cluster" in only:
         started = time.monotonic()
-        summary |= cluster_figures()
+        measured["bench.cluster"] = cluster_figures()
         print(f"[cluster: {time.monotonic() - started:.0f}s]", flush=True)
     meta = {"time": time.time(), "python": platform.python_version(), "machine": platform.machine(),
             "cpus": os.cpu_count(), "torch": torch.__version__}
-    path = RESULTS / "summary.json"
     # A partial run adds its keys to the last full run's; the meta stays that run's.
-    kept = orjson.loads(path.read_bytes()) if only and path.exists() else {}
-    meta = kept.pop("meta", meta)
-    path.write_bytes(orjson.dumps({**kept, **summary, "meta": meta}, option=orjson.OPT_INDENT_2))
+    write(measured, tree, meta=None if only else meta)
+    summary = {key: value for figures in measured.values() for key, value in figures.items()}
     print(f"{'metric':36s} {'value':>14s}  goal")
     for key, value in summary.items():
         goal = GOALS.get(key)
