@@ -102,3 +102,27 @@ def test_every_link_to_a_heading_finds_it() -> None:
             if anchor not in anchors.get(Path(linked), set()):
                 broken.append(f"{path.relative_to(REPO)}: {target}")
     assert broken == []
+
+
+def number_rows(text: str) -> list[dict[str, str]]:
+    """The rows of the one markdown table in ``text`` whose first cell is a number, by column name."""
+    lines = [line for line in text.splitlines() if line.startswith("|")]
+    columns = [cell.strip() for cell in lines[0].strip("|").split("|")]
+    return [dict(zip(columns, (cell.strip().strip("*") for cell in line.strip("|").split("|")), strict=True))
+            for line in lines[2:] if line.strip("|").split("|")[0].strip().isdigit()]
+
+
+def test_the_own_task_examples_generalisation_claim_is_its_tables_numbers() -> None:
+    """The held-out prose quotes the last rows of both tables and the gap between them, so a claim the
+    numbers do not carry (``learned the task, not its training prompts``) cannot come back unnoticed."""
+    curve = section((DOCS / "own-task.md").read_text(), "## The example's learning curve")
+    held_out_section = section(curve, "### On the held-out prompts")
+    training = curve[:curve.index("### On the held-out prompts")]
+    trained, held_out = number_rows(training)[-1], number_rows(held_out_section)[-1]
+    prose = " ".join(held_out_section.split("![")[1].split())
+    digits_gap = float(trained["digits"]) - float(held_out["digits"])
+    reward_gap = float(trained["reward"]) - float(held_out["eval reward"])
+    assert f"held-out {held_out['digits']} against {trained['digits']} on its 256 training prompts, " \
+           f"a gap of {digits_gap:.2f}" in prose
+    assert f"{held_out['eval reward']} against {trained['reward']} in training, a gap of {reward_gap:.3f}" in prose
+    assert f"pass@1 is {held_out['pass@1']}" in prose
