@@ -17,6 +17,7 @@ from typing import Any
 import orjson
 
 from bench.run import GOALS
+from bench.summary import DIRTY, PROVENANCE, Measured
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results"
@@ -24,6 +25,33 @@ DOC = REPO / "docs" / "performance.md"
 SAMPLERS = ("windowed", "weight_fifo", "in_order")
 
 Summary = dict[str, Any]
+
+
+class Reading(dict[str, Any]):
+    """The summary, noting each key read: the figures a row's cells read are the row's, whose commits it shows."""
+
+    def __init__(self, summary: Summary) -> None:
+        super().__init__(summary)
+        self.read: set[str] = set()
+        self.records = {key: Measured(**record) for key, record in summary[PROVENANCE]["figures"].items()}
+
+    def __getitem__(self, key: str) -> Any:
+        self.read.add(key)
+        return super().__getitem__(key)
+
+
+def origin(reading: Reading, verdict: str) -> tuple[str, str]:
+    """The commits (and dates) a row's figures were measured at, "stale" where their code changed since, and
+    the row's verdict: "superseded", with why, where a figure no longer measures what its name says."""
+    measured = [reading.records[key] for key in sorted(reading.read)]
+    commits = sorted({(m.measured_at[:10], m.commit) for m in measured})
+    cell = ", ".join(f"`{commit[:7]}{DIRTY if commit.endswith(DIRTY) else ''}` {day}" for day, commit in commits)
+    if any(m.stale for m in measured):
+        cell += ", stale"
+    notes = sorted({m.superseded for m in measured if m.superseded})
+    if notes:
+        return f"{cell}; superseded: {' '.join(notes)}", "superseded"
+    return cell, verdict
 
 
 def num(value: float) -> str:
@@ -77,11 +105,14 @@ def goal_cells(key: str, summary: Summary) -> tuple[str, str]:
 
 
 def table(section: Section, summary: Summary) -> str:
-    lines = [f"## {section.title}", "", section.intro, "", "| key | what it measures | measured | goal | |",
-             "|---|---|---|---|---|"]
+    lines = [f"## {section.title}", "", section.intro, "",
+             "| key | what it measures | measured | goal | | measured at |", "|---|---|---|---|---|---|"]
     for row in section.rows:
-        goal, verdict = goal_cells(row.goal, summary)
-        lines.append(f"| {row.keys} | {row.what} | {row.measured(summary)} | {goal} | {verdict} |")
+        reading = Reading(summary)
+        measured = row.measured(reading)
+        goal, verdict = goal_cells(row.goal, reading)
+        commits, verdict = origin(reading, verdict)
+        lines.append(f"| {row.keys} | {row.what} | {measured} | {goal} | {verdict} | {commits} |")
     return "\n".join(lines)
 
 
@@ -265,24 +296,27 @@ THROUGHPUT = Section(
 
 
 def crash_tables(summary: Summary) -> str:
-    kept = ["| sampler | ready groups kept | staged siblings reused | reused ÷ finished when the cut was read |",
-            "|---|---|---|---|"]
-    tokens = ["| sampler | tokens reused ÷ generated at the cut | without prefixes | siblings resumed | goal | |",
-              "|---|---|---|---|---|---|"]
+    kept = ["| sampler | ready groups kept | staged siblings reused | reused ÷ finished when the cut was read | "
+            "measured at |", "|---|---|---|---|---|"]
+    tokens = ["| sampler | tokens reused ÷ generated at the cut | without prefixes | siblings resumed | goal | | "
+              "measured at |", "|---|---|---|---|---|---|---|"]
     for sampler in SAMPLERS:
         key = f"crash_{sampler}_"
-        staged, finished = summary[key + "siblings_staged_in_cut"], summary[key + "siblings_finished_at_cut"]
-        kept.append(
-            f"| `{sampler}` | {summary[key + 'ready_groups_kept_ratio'] * summary[key + 'ready_groups_in_cut']:.0f} "
-            f"of {summary[key + 'ready_groups_in_cut']:.0f} | {summary[key + 'siblings_reused_ratio'] * staged:.0f} "
-            f"of {staged:.0f} | {summary[key + 'siblings_reused_vs_finished_at_cut'] * finished:.0f} of {finished:.0f} "
-            f"({ratio(summary[key + 'siblings_reused_vs_finished_at_cut'])}) |")
-        goal, verdict = goal_cells(key + "tokens_reused_vs_generated_at_cut", summary)
-        tokens.append(
-            f"| `{sampler}` | {ratio(summary[key + 'tokens_reused_vs_generated_at_cut'])} "
-            f"({summary[key + 'tokens_generated_at_cut']:,.0f} tokens) | "
-            f"{ratio(summary[key + 'tokens_reused_vs_generated_at_cut_no_prefixes'])} | "
-            f"{summary[key + 'siblings_resumed']:.0f} | {goal} | {verdict} |")
+        s = Reading(summary)
+        staged, finished = s[key + "siblings_staged_in_cut"], s[key + "siblings_finished_at_cut"]
+        cells = (f"| `{sampler}` | {s[key + 'ready_groups_kept_ratio'] * s[key + 'ready_groups_in_cut']:.0f} "
+                 f"of {s[key + 'ready_groups_in_cut']:.0f} | {s[key + 'siblings_reused_ratio'] * staged:.0f} "
+                 f"of {staged:.0f} | {s[key + 'siblings_reused_vs_finished_at_cut'] * finished:.0f} of {finished:.0f} "
+                 f"({ratio(s[key + 'siblings_reused_vs_finished_at_cut'])}) |")
+        kept.append(f"{cells} {origin(s, '')[0]} |")
+        s = Reading(summary)
+        goal, verdict = goal_cells(key + "tokens_reused_vs_generated_at_cut", s)
+        cells = (f"| `{sampler}` | {ratio(s[key + 'tokens_reused_vs_generated_at_cut'])} "
+                 f"({s[key + 'tokens_generated_at_cut']:,.0f} tokens) | "
+                 f"{ratio(s[key + 'tokens_reused_vs_generated_at_cut_no_prefixes'])} | "
+                 f"{s[key + 'siblings_resumed']:.0f} | {goal} |")
+        commits, verdict = origin(s, verdict)
+        tokens.append(f"{cells} {verdict} | {commits} |")
     return "\n".join([
         "## What a crash keeps",
         "",
@@ -312,20 +346,20 @@ def goodput_tables(summary: Summary) -> str:
         "rate that run measured. Busy ratio from the engine's own clock, bound as scd estimated it live over "
         "the same span.",
         "",
-        "| regime | R_t / R_g (groups/s) | busy ratio | bound | busy ÷ bound | waste | goodput | goals |",
-        "|---|---|---|---|---|---|---|---|",
+        "| regime | R_t / R_g (groups/s) | busy ratio | bound | busy ÷ bound | waste | goodput | goals | measured at |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for regime in ("train_bound", "generation_bound"):
         key = f"goodput_{regime}_"
-        verdicts = [goal_cells(key + name, summary) for name in
-                    ("busy_vs_bound", "waste_ratio")]
+        s = Reading(summary)
+        verdicts = [goal_cells(key + name, s) for name in ("busy_vs_bound", "waste_ratio")]
         lines.append(
-            f"| {regime.replace('_', '-')} | {num(summary[key + 'trainer_groups_per_s'])} / "
-            f"{num(summary[key + 'generation_groups_per_s'])} | {num(summary[key + 'busy_ratio'])} | "
-            f"{num(summary[key + 'busy_bound'])} | {ratio(summary[key + 'busy_vs_bound'])} | "
-            f"{num(summary[key + 'waste_ratio'])} | {ratio(summary[key + 'goodput_ratio'])} | "
-            f"busy ÷ bound {verdicts[0][0]} {verdicts[0][1]}, waste {verdicts[1][0]} {verdicts[1][1]} |")
-    crash_goal, crash_verdict = goal_cells("goodput_crash_loop_waste_ratio", summary)
+            f"| {regime.replace('_', '-')} | {num(s[key + 'trainer_groups_per_s'])} / "
+            f"{num(s[key + 'generation_groups_per_s'])} | {num(s[key + 'busy_ratio'])} | "
+            f"{num(s[key + 'busy_bound'])} | {ratio(s[key + 'busy_vs_bound'])} | "
+            f"{num(s[key + 'waste_ratio'])} | {ratio(s[key + 'goodput_ratio'])} | "
+            f"busy ÷ bound {verdicts[0][0]} {verdicts[0][1]}, waste {verdicts[1][0]} {verdicts[1][1]} | "
+            f"{origin(s, '')[0]} |")
     lines += [
         "",
         "The crash loop (`goodput_crash_loop_*`): real `scd run` processes in the tests' config (8 groups a "
@@ -333,15 +367,16 @@ def goodput_tables(summary: Summary) -> str:
         "random moments, then run past the last bundle; waste summed over every process and restore. Before "
         "pacing is the same loop with `async_rl.pace_admission = false`.",
         "",
-        "| run | kills | waste | goodput | restored groups already stale | goal | |",
-        "|---|---|---|---|---|---|---|",
+        "| run | kills | waste | goodput | restored groups already stale | goal | | measured at |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for label, key in (("paced", "goodput_crash_loop_"), ("before pacing", "goodput_crash_loop_before_pacing_")):
-        goal, verdict = (crash_goal, crash_verdict) if label == "paced" else ("figure", "")
-        lines.append(
-            f"| {label} | {summary[key + 'kills']:.0f} | {ratio(summary[key + 'waste_ratio'])} | "
-            f"{ratio(summary[key + 'goodput_ratio'])} | {summary[key + 'restore_stale_groups']:.0f} | {goal} | "
-            f"{verdict} |")
+        s = Reading(summary)
+        goal, verdict = goal_cells("goodput_crash_loop_waste_ratio" if label == "paced" else "", s)
+        cells = (f"| {label} | {s[key + 'kills']:.0f} | {ratio(s[key + 'waste_ratio'])} | "
+                 f"{ratio(s[key + 'goodput_ratio'])} | {s[key + 'restore_stale_groups']:.0f} | {goal} |")
+        commits, verdict = origin(s, verdict)
+        lines.append(f"{cells} {verdict} | {commits} |")
     return "\n".join(lines)
 
 
@@ -393,8 +428,18 @@ def render(summary: Summary, gpu_checks: dict[str, Summary]) -> str:
         "numbers and never fail on them; a goal is met or missed in the run shown.",
         "",
         f"The last full run: {measured:%Y-%m-%d}, {meta['machine']} with {meta['cpus']} CPUs, Python "
-        f"{meta['python']}, torch {meta['torch']}; partial runs since have replaced the figures they measured. "
-        "Each figure measures the code it is committed with.",
+        f"{meta['python']}, torch {meta['torch']}; partial runs since have replaced the figures they measured.",
+        "",
+        "**Measured at** is the commit each figure was measured at, as `bench/results/summary.json` records it "
+        "under `provenance` (read as the run starts; `-dirty` where the figure's code had uncommitted changes: "
+        "commit the code first, then measure). A figure's code is its bench module and what "
+        "`bench/summary.py`'s `MEASURES` declares for it (the whole of `scd` for a run of the controller). "
+        "**stale**: that code changed after the commit, as of "
+        f"`{summary[PROVENANCE]['checked_at'][:7]}`, when the results were last written; "
+        "`python -m bench.summary --stale` checks against HEAD now and names the commits. **superseded**: the "
+        "figure does not measure what its name claims, and why. Figures committed before issue 51 carry the "
+        "commit that last changed their value in summary.json (its history walked oldest first), the best "
+        "record there is of the code they measured.",
     ])
     parts = [head, *(table(section, summary) for section in (LIVE_CHECKPOINTS, BUNDLE, THROUGHPUT)),
              crash_tables(summary), goodput_tables(summary), gpu_check_tables(gpu_checks)]

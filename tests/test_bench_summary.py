@@ -8,7 +8,8 @@ from pathlib import Path
 
 import orjson
 
-from bench.summary import PROVENANCE, WorkTree, git, load, stale_figures, write
+from bench.summary import MEASURES, PROVENANCE, SUMMARY, WorkTree, git, load, sources, stale_figures, write
+from tests.conftest import REPO
 
 
 def commit(repo: Path, files: dict[str, str], message: str) -> str:
@@ -64,3 +65,12 @@ def test_each_figure_keeps_the_commit_it_was_measured_at_and_goes_stale_when_its
     assert figures["trainer_ratio"].commit == f"{head}-dirty"
     assert stale_figures(figures, repo) == {"trainer_ratio": ["uncommitted"]}
 
+
+def test_every_committed_figure_has_a_record_of_a_commit_in_this_history_and_a_declared_code() -> None:
+    summary, figures = load(SUMMARY)
+    assert figures.keys() == summary.keys() - {"meta"}
+    for commit in {record.commit.removesuffix("-dirty") for record in figures.values()}:
+        git(REPO, "cat-file", "-e", f"{commit}^{{commit}}")
+    assert {record.bench for record in figures.values()} <= MEASURES.keys()
+    for bench in MEASURES:
+        assert all((REPO / path).exists() for path in sources(bench)), bench
