@@ -14,7 +14,7 @@ import anyio
 import orjson
 from anyio.abc import TaskStatus
 
-from scd.checkpoint.restore import keep_history_linear
+from scd.checkpoint.restore import check_before_start
 from scd.cluster import AbandonedCalls, plan_devices
 from scd.config import Config, load_config
 from scd.daemon import Controller
@@ -245,7 +245,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         # The rewards, a custom sampler, the trackers' packages and the device plan are checked here, before
         # Ray or any engine starts.
         resolve_rewards(config.task, Path(args.config).resolve().parent)
-        build_sampler(config)
+        sampler = build_sampler(config)
         require_tracker_packages(config.telemetry)
         plan_devices(config)
         if args.max_steps is not None and args.max_steps < 1:
@@ -254,8 +254,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.discard_newer and args.restore_from is None:
             print("scd: error: --discard-newer goes with --restore-from BUNDLE", file=sys.stderr)
             return EXIT_CONFIG
-        # Which history the run continues is settled here, before Ray or any engine starts.
-        keep_history_linear(Path(config.checkpointing.dir), args.restore_from, args.discard_newer)
+        # Which history the run continues, and whether its bundle can be restored under this config, are
+        # settled here, before Ray or any engine starts.
+        check_before_start(config, sampler.name, args.restore_from, args.discard_newer, args.allow_config_change)
         anyio.run(run_daemon, config, args, backend="asyncio", backend_options={"use_uvloop": True})
     except BaseException as exc:
         error = _first_scd_error(exc)

@@ -405,6 +405,43 @@ class Config(_Section):
         blob = orjson.dumps(self.fingerprint_fields(), option=orjson.OPT_SORT_KEYS)
         return hashlib.sha256(blob).hexdigest()
 
+    def fingerprint_changes(self, saved: dict[str, Any]) -> dict[str, tuple[object, object]]:
+        """Each fingerprinted setting whose value in ``saved`` (a bundle's ``fingerprint_fields``) differs
+        from this config's, as (old, new) by its dotted key (``task.rewards[0].function``); a side that
+        does not set it reads ``NOT_SET``."""
+        old = _flat_settings(saved)
+        # Through JSON, as a bundle's were: tuples read back as lists.
+        new = _flat_settings(orjson.loads(orjson.dumps(self.fingerprint_fields())))
+        return {key: (old.get(key, NOT_SET), new.get(key, NOT_SET)) for key in sorted(old.keys() | new.keys())
+                if old.get(key, NOT_SET) != new.get(key, NOT_SET)}
+
+
+# A fingerprinted setting one side does not set (at its default, or meaningless there, as
+# ``trainer.groups_per_step`` is to the windowed sampler).
+NOT_SET = "(not set)"
+# The reward set: a change to it is applied across a restore, the bundle's held scores scored again under it.
+REWARD_SETTINGS = "task.rewards"
+
+
+def is_reward_setting(key: str) -> bool:
+    return key == REWARD_SETTINGS or key.startswith((REWARD_SETTINGS + "[", REWARD_SETTINGS + "."))
+
+
+def _flat_settings(fields: dict[str, Any], prefix: str = "") -> dict[str, object]:
+    """Nested tables and lists of tables as dotted keys (the names ``--set`` and error messages use)."""
+    flat: dict[str, object] = {}
+    for key, value in fields.items():
+        name = f"{prefix}.{key}" if prefix else key
+        if isinstance(value, dict):
+            flat.update(_flat_settings(value, name))
+        elif isinstance(value, list) and value and all(isinstance(item, dict) for item in value):
+            for index, item in enumerate(value):
+                flat.update(_flat_settings(item, f"{name}[{index}]"))
+        else:
+            flat[name] = value
+    return flat
+
+
 
 # Which column buckets prompts changes what telemetry counts, and how long a reward may take, what a
 # failed one scores or how many processes score is how the run copes, not what a stored rollout's reward means.

@@ -8,7 +8,8 @@ inventory -> ``ControllerState.install`` -> read the staged siblings back and
 hand them, with the bundle's own, to ``Rollouts.restore`` -> evict stale groups -> the first weight sync ->
 requeue in-flight prompts for generation.  Then admission may start.  Every
 refusal comes before the trainer or TQ is loaded, except the inventory check,
-which needs TQ's snapshot.  A bundle that fails a check is an
+which needs TQ's snapshot; those for a changed config (``check_before_start``)
+come before Ray, TQ or an engine even starts.  A bundle that fails a check is an
 ``InvariantViolation`` (exit 3) naming it and the newest older bundle that
 verifies; TQ holding another run's partitions and an older ``--restore-from``
 without ``--discard-newer`` are usage errors (exit 2).  Restore records its own
@@ -37,6 +38,8 @@ from scd.checkpoint.verify import (
     BundleError,
     check_against_config,
     check_finished_within_budget,
+    check_holdings,
+    check_settings,
     legacy_replay_error,
     newest_verifying,
     read_metadata,
@@ -142,6 +145,31 @@ def resolve_bundle(root: Path, restore_from: Path | None, discard_newer: bool = 
     return bundles[-1] if bundles else None
 
 
+def check_before_start(config: Config, sampler: str, restore_from: Path | None, discard_newer: bool,
+                       allow_config_change: bool) -> None:
+    """The bundle the restore will take (``resolve_bundle``: the operator's choice, or the newest) against the
+    config, before Ray, TQ or an engine starts: the settings it was written under (``check_settings``:
+    every changed one named, old and new) and what it holds against the config's limits (``check_holdings``);
+    ``sampler`` is the run's sampler's name.  Which history the run continues (``--restore-from``,
+    ``--discard-newer``) is settled here too.  Files' digests are left to the restore: a bundle this cannot
+    decode is refused there, naming the newest older one that verifies."""
+    if not config.checkpointing.enabled and restore_from is None:
+        return
+    bundle = resolve_bundle(Path(config.checkpointing.dir), restore_from, discard_newer)
+    if bundle is None:
+        return
+    try:
+        info = decode(bundle / layout.TRAINING_INFO_FILE, TrainingInfo)
+    except SchemaError:
+        return
+    check_settings(config, sampler, info, bundle, allow_config_change)
+    try:
+        held = read_metadata(bundle, info)
+    except BundleError:
+        return
+    check_holdings(config, held)
+
+
 def newer_history(root: Path, restore_from: Path) -> list[Path]:
     """Finalized bundles in ``root`` that restoring ``restore_from`` would fork from: those at or past its
     step, other than itself.  The run continued from it would skip its checkpoints at their steps (a
@@ -160,7 +188,7 @@ def keep_history_linear(root: Path, restore_from: Path | None, discard_newer: bo
     from ``restore_from``.
 
     A usage error (exit 2), not an invariant violation: every bundle is sound, the command line just
-    has not said which history to continue.  The cli calls this before Ray starts.
+    has not said which history to continue.  The cli calls this (``check_before_start``) before Ray starts.
     """
     newer = newer_history(root, restore_from) if restore_from is not None else []
     if not newer:

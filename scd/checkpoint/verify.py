@@ -20,8 +20,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NoReturn
 
+import orjson
+
 from scd.checkpoint import layout
-from scd.config import Config
+from scd.config import NOT_SET, Config
 from scd.dataloader import PromptOrder
 from scd.errors import InvariantViolation
 from scd.ledger import PromptLedger, PromptState, group_id_for
@@ -255,43 +257,16 @@ def check_finished_within_budget(bundle: Path, finished: Mapping[str, Mapping[in
 
 
 def check_against_config(config: Config, state: ControllerState, verified: VerifiedBundle,
-                         allow_config_change: bool) -> None:
-    """A verified bundle against this run's config and sampler, before a restore loads anything."""
+                         allow_config_change: bool) -> dict[str, tuple[object, object]]:
+    """A verified bundle against this run's config, task and sampler, before a restore loads anything; returns
+    how the reward set changed (``check_settings``)."""
     info, bundle = verified.info, verified.path
 
     def refuse(reason: str) -> None:
         raise BundleError(bundle, reason)
 
-    if info.sampler != state.sampler.name:
-        refuse(f"was written with sampler {info.sampler!r}; this run uses {state.sampler.name!r}")
-    if info.partition != config.data_plane.partition:
-        refuse(f"holds TQ partition {info.partition!r}; this run uses {config.data_plane.partition!r}")
-    in_flight = len(verified.ledger.in_state(PromptState.IN_FLIGHT))
-    # Only the configured limit refuses: beyond what the window can use, admission just waits while
-    # the restored groups are trained (or evicted stale).
-    limit = config.async_rl.buffer_capacity_groups
-    if limit != "auto" and info.groups + in_flight > limit:
-        refuse(f"holds {info.groups} ready groups and {in_flight} prompts in flight, more than "
-               f"async_rl.buffer_capacity_groups = {limit}")
-    if info.config_fingerprint != config.fingerprint() and not allow_config_change:
-        saved, now = info.config_fingerprint_fields, config.fingerprint_fields()
-        changed = sorted(k for k in set(saved) | set(now) if saved.get(k) != now.get(k))
-        refuse(f"was written under other settings that change what its rollouts or its sampler state mean: "
-               f"{changed}; pass --allow-config-change to restore anyway (a gated sampler's dispatch state is "
-               "then re-derived from the ledger)")
-    saved_units = storage_units_of(info)
-    if saved_units != config.data_plane.storage_units:
-        # TQ refuses such a load only once it has begun, with a traceback; refused here, before it.
-        refuse(f"holds a TQ snapshot of {saved_units} storage unit(s); data_plane.storage_units is "
-               f"{config.data_plane.storage_units}, and TQ loads a snapshot only into as many units: set "
-               f"data_plane.storage_units = {saved_units} to restore it")
-    if info.group_size != config.generation.group_size:
-        refuse(f"holds groups of {info.group_size}; generation.group_size is {config.generation.group_size}")
-    group_size = config.generation.group_size
-    outside = [gid for gid, e in verified.ledger.entries().items() if any(i >= group_size for i, _ in e.staged)]
-    if outside:
-        refuse(f"stages siblings beyond generation.group_size = {group_size} (first: {outside[:3]})")
-    check_finished_within_budget(bundle, verified.rollouts.finished, config.generation.max_new_tokens)
+    reward_changes = check_settings(config, state.sampler.name, info, bundle, allow_config_change)
+    check_holdings(config, verified)
     beyond = [gid for gid, e in verified.ledger.entries().items() if e.prompt_id >= state.order.num_prompts]
     if beyond:
         refuse(f"names prompts the task no longer has (task.path holds {state.order.num_prompts} prompts; "
@@ -304,6 +279,66 @@ def check_against_config(config: Config, state: ControllerState, verified: Verif
             state.sampler.check_state(verified.sidecar.sampler.state, DispatchView.of(verified.ledger, info.step))
         except SamplerStateError as exc:
             refuse(str(exc))
+    return reward_changes
+
+
+def check_settings(config: Config, sampler: str, info: TrainingInfo, bundle: Path,
+                   allow_config_change: bool) -> dict[str, tuple[object, object]]:
+    """The bundle's recorded settings against this run's config (``sampler``: its sampler's name).
+
+    A changed fingerprinted setting refuses the bundle (unless ``allow_config_change``), naming every one
+    with its old and new value; the reward set (``task.rewards``) is the exception: its changes are
+    returned, (old, new) by key, for the restore to apply.
+    """
+
+    def refuse(reason: str) -> None:
+        raise BundleError(bundle, reason)
+
+    if info.sampler != sampler:
+        refuse(f"was written with sampler {info.sampler!r}; this run uses {sampler!r}")
+    if info.partition != config.data_plane.partition:
+        refuse(f"holds TQ partition {info.partition!r}; this run uses {config.data_plane.partition!r}")
+    changes = config.fingerprint_changes(info.config_fingerprint_fields)
+    reward_changes: dict[str, tuple[object, object]] = {}
+    refused = changes
+    if refused and not allow_config_change:
+        listed = "".join(f"\n  {key}: {_shown(old)} -> {_shown(new)}" for key, (old, new) in refused.items())
+        refuse(f"was written under settings that change what its rollouts or its sampler state mean, and this "
+               f"config changes {len(refused)} of them (bundle -> config):{listed}\nSet them back to continue "
+               "this run from the bundle; or pass --allow-config-change to restore it under the new values (a "
+               "gated sampler's dispatch state is then re-derived from the ledger); or start a new run in "
+               "another checkpointing.dir")
+    saved_units = storage_units_of(info)
+    if saved_units != config.data_plane.storage_units:
+        # TQ refuses such a load only once it has begun, with a traceback; refused here, before it.
+        refuse(f"holds a TQ snapshot of {saved_units} storage unit(s); data_plane.storage_units is "
+               f"{config.data_plane.storage_units}, and TQ loads a snapshot only into as many units: set "
+               f"data_plane.storage_units = {saved_units} to restore it")
+    if info.group_size != config.generation.group_size:
+        refuse(f"holds groups of {info.group_size}; generation.group_size is {config.generation.group_size}")
+    return reward_changes
+
+
+def _shown(value: object) -> str:
+    return NOT_SET if value == NOT_SET else orjson.dumps(value).decode()
+
+
+def check_holdings(config: Config, verified: VerifiedBundle) -> None:
+    """What the bundle holds against the config's limits: buffer capacity, group size, completion budget."""
+    info, bundle = verified.info, verified.path
+    in_flight = len(verified.ledger.in_state(PromptState.IN_FLIGHT))
+    # Only the configured limit refuses: beyond what the window can use, admission just waits while
+    # the restored groups are trained (or evicted stale).
+    limit = config.async_rl.buffer_capacity_groups
+    if limit != "auto" and info.groups + in_flight > limit:
+        raise BundleError(bundle, f"holds {info.groups} ready groups and {in_flight} prompts in flight, more than "
+                                  f"async_rl.buffer_capacity_groups = {limit}")
+    group_size = config.generation.group_size
+    outside = [gid for gid, e in verified.ledger.entries().items() if any(i >= group_size for i, _ in e.staged)]
+    if outside:
+        raise BundleError(bundle, f"stages siblings beyond generation.group_size = {group_size} "
+                                  f"(first: {outside[:3]})")
+    check_finished_within_budget(bundle, verified.rollouts.finished, config.generation.max_new_tokens)
 
 
 def newest_verifying(root: Path, below_step: int) -> Path | None:

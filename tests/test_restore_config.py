@@ -1,0 +1,62 @@
+"""A bundle against a changed config: refused before anything expensive starts, naming every changed key.
+
+Real `scd` subprocesses and the bundles they write; the unit test of the settings' diff is pure logic.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from scd.checkpoint import layout
+from scd.config import NOT_SET, parse_config
+from tests.conftest import ScdProcess, write_config
+
+
+def events_in(directory: Path) -> list[dict[str, Any]]:
+    path = directory / "out" / "events.jsonl"
+    return [orjson.loads(line) for line in path.read_bytes().splitlines()] if path.exists() else []
+
+
+def test_fingerprint_changes_name_each_nested_key_with_its_old_and_new_value(tmp_path: Path) -> None:
+    before = parse_config({"task": {"rewards": [{"function": "exact"}, {"function": "match", "weight": 0.5}]}},
+                          tmp_path)
+    after = parse_config({"task": {"seed": 3, "rewards": [{"function": "exact", "weight": 2.0}]},
+                          "model": {"d_model": 32}}, tmp_path)
+    saved = orjson.loads(orjson.dumps(before.fingerprint_fields()))  # as a bundle's training_info holds them
+
+    assert after.fingerprint_changes(saved) == {
+        "model.d_model": (64, 32),
+        "task.rewards[0].weight": (1.0, 2.0),
+        "task.rewards[1].function": ("match", NOT_SET),
+        "task.rewards[1].name": ("", NOT_SET),
+        "task.rewards[1].weight": (0.5, NOT_SET),
+        "task.seed": (0, 3),
+    }
+    assert before.fingerprint_changes(saved) == {}
+
+
+def test_a_changed_config_is_refused_before_ray_starts_naming_every_changed_key(
+        tmp_path: Path, scd_processes: list[ScdProcess], session_ray: str) -> None:
+    config = write_config(tmp_path, ray_address=session_ray)
+    first = ScdProcess(config, "--max-steps", "2")
+    scd_processes.append(first)
+    assert first.wait(timeout=300) == 0, first.output()[-3000:]
+    [bundle] = layout.finalized_bundles(tmp_path / "out" / "checkpoints")
+    started = sum(e["event"] == "start" for e in events_in(tmp_path))
+
+    # A private Ray, as a user's run has: were the refusal late, this run would start Ray, TQ and the trainer.
+    config.write_text(config.read_text().replace(f'address = "{session_ray}"', "num_cpus = 3"))
+    second = ScdProcess(config, "--set", "task.seed=1", "--set", "generation.temperature=0.7")
+    scd_processes.append(second)
+    assert second.wait(timeout=300) == 3, second.output()[-3000:]
+    said = second.output()
+    assert f"scd: error: checkpoint {bundle}: was written under settings" in said, said[-3000:]
+    assert "changes 2 of them" in said
+    assert "task.seed: 0 -> 1" in said and "generation.temperature: 1.0 -> 0.7" in said
+    assert "--allow-config-change" in said
+    # Nothing expensive started: no TQ was attached to, and the controller never announced its start.
+    assert "TransferQueue: controller on" not in said
+    assert sum(e["event"] == "start" for e in events_in(tmp_path)) == started
