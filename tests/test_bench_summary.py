@@ -8,6 +8,7 @@ from pathlib import Path
 
 import orjson
 
+from bench.render_performance import Reading, origin
 from bench.summary import MEASURES, PROVENANCE, SUMMARY, WorkTree, git, load, sources, stale_figures, write
 from tests.conftest import REPO
 
@@ -74,3 +75,20 @@ def test_every_committed_figure_has_a_record_of_a_commit_in_this_history_and_a_d
     assert {record.bench for record in figures.values()} <= MEASURES.keys()
     for bench in MEASURES:
         assert all((REPO / path).exists() for path in sources(bench)), bench
+
+
+def test_a_row_shows_its_figures_commits_and_a_superseded_figure_is_not_met() -> None:
+    summary = {"a": 1.0, "b": 2.0, "c": 3.0, PROVENANCE: {"checked_at": "f" * 40, "figures": {
+        "a": {"commit": "1" * 40, "measured_at": "2026-12-01T00:00:00+00:00", "bench": "bench.run"},
+        "b": {"commit": "2" * 40 + "-dirty", "measured_at": "2026-12-02T00:00:00+00:00", "bench": "bench.run",
+              "stale": True},
+        "c": {"commit": "3" * 40, "measured_at": "2026-12-03T00:00:00+00:00", "bench": "bench.run",
+              "superseded": "measured something easier."}}}}
+    reading = Reading(summary)
+    assert reading["a"] == 1.0
+    assert origin(reading, "met") == ("`1111111` 2026-12-01", "met")
+    assert reading["b"] == 2.0
+    assert origin(reading, "met") == ("`1111111` 2026-12-01, `2222222-dirty` 2026-12-02, stale", "met")
+    reading = Reading(summary)
+    assert reading["c"] == 3.0
+    assert origin(reading, "met") == ("`3333333` 2026-12-03; superseded: measured something easier.", "superseded")
