@@ -165,3 +165,59 @@ def test_a_run_evaluates_at_the_start_every_n_steps_and_the_last_once_each_acros
     result = orjson.loads(offline.stdout)
     assert result["step"] == 12 and result["prompts"] == 8 and set(result["pass_at_k"]) == {"1", "2", "4"}
     assert 0.0 <= result["reward_mean"] <= 1.0
+
+
+def test_an_eval_a_drain_cut_short_runs_again_at_its_step_after_the_restore_and_its_checkpoint_is_taken(
+        tmp_path: Path, scd_processes: list[ScdProcess], session_ray: str, tiny_llama: Path) -> None:
+    config = eval_run_config(tmp_path, session_ray, tiny_llama)
+    out, checkpoints = tmp_path / "out", tmp_path / "out" / "checkpoints"
+    # The eval at step 5 hangs; a real SIGTERM drains, and the drain's deadline cuts the eval short.
+    first = ScdProcess(config, "--max-steps", "12", env={"SCD_FAULT": "during_eval:2=block"})
+    scd_processes.append(first)
+    first.wait_for_line("blocking at during_eval", timeout=240)
+    first.signal(signal.SIGTERM)
+    assert first.wait(timeout=180) == 0, first.output()[-3000:]
+    info = orjson.loads((layout.step_dir(checkpoints, 5) / layout.TRAINING_INFO_FILE).read_bytes())
+    assert info["trigger"] == "shutdown" and info["evaluated_steps"] == [0]
+    logged = len(events_of(out, "checkpoint"))
+
+    second = ScdProcess(config, "--max-steps", "6")
+    scd_processes.append(second)
+    assert second.wait(timeout=300) == 0, second.output()[-3000:]
+    assert [e["step"] for e in events_of(out, "eval")] == [0, 5, 6]
+    after_restore = [(e["step"], e["outcome"], e["reason"]) for e in events_of(out, "checkpoint")[logged:]]
+    # The eval's checkpoint at the restored step is taken (never skipped as no_progress): it replaces the
+    # drain's bundle of step 5 with one that records the eval.
+    assert after_restore[:2] == [(5, "scheduled", "eval"), (5, "completed", "eval")], after_restore
+    info = orjson.loads((layout.step_dir(checkpoints, 5) / layout.TRAINING_INFO_FILE).read_bytes())
+    assert info["trigger"] == "eval" and info["evaluated_steps"] == [0, 5]
+    assert not list(checkpoints.glob("*.replacing"))
+    verified = subprocess.run([*SCD, "checkpoint", "verify", str(layout.step_dir(checkpoints, 5))], cwd=REPO,
+                              capture_output=True, text=True, timeout=120)
+    assert verified.returncode == 0, verified.stderr
+
+
+def _finalized(bundle: Path, content: bytes) -> Path:
+    bundle.mkdir()
+    (bundle / "payload").write_bytes(content)
+    (bundle / layout.COMMIT_MARKER).write_bytes(b"marker")
+    return bundle
+
+
+@pytest.mark.parametrize("interrupted_after", ["nothing", "staged", "unfinalized", "half_removed"])
+def test_a_bundle_replaced_at_its_step_is_restorable_whatever_instant_a_crash_comes(
+        tmp_path: Path, interrupted_after: str) -> None:
+    final = _finalized(layout.step_dir(tmp_path, 5), b"old")
+    replacement = _finalized(layout.tmp_dir(tmp_path, 5), b"new")
+    if interrupted_after == "nothing":
+        layout.replace_bundle(replacement, final)
+    else:  # replace_bundle's steps, up to the crash
+        replacement.rename(layout.replacing_dir(final))
+        if interrupted_after != "staged":
+            layout.unfinalize(final)
+        if interrupted_after == "half_removed":
+            (final / "payload").unlink()
+    layout.finish_replacements(tmp_path)
+    assert layout.finalized_bundles(tmp_path) == [final]
+    assert (final / "payload").read_bytes() == b"new"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [final.name]

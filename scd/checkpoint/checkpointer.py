@@ -71,6 +71,8 @@ class Checkpointer:
         self.max_consecutive_failures = ckpt.max_consecutive_failures
         self.events = events
         self.last_completed_step: int | None = None
+        # The held-out evaluations the last bundle records: one finished since at its step is progress.
+        self._last_completed_evaluations = 0
         self.consecutive_failures = 0
         self._state, self._dataplane, self._trainer, self._risk = state, dataplane, trainer, risk
         self._rollouts, self._generation, self._capture_rollouts = rollouts, generation, ckpt.capture_prefixes
@@ -104,6 +106,7 @@ class Checkpointer:
     def restored_from(self, step: int, bundle_time: float) -> None:
         """The run continues from a bundle: it is the last success, in step and in time."""
         self.last_completed_step = step
+        self._last_completed_evaluations = len(self._state.evaluated_steps)
         self._last_success_wall = bundle_time
         self._risk.restored(bundle_time)
 
@@ -147,11 +150,14 @@ class Checkpointer:
         elif not self._idle.is_set():
             await self._record(Outcome.SKIPPED, SkipReason.ALREADY_RUNNING, step, trigger=trigger.value)
             return Outcome.SKIPPED
-        if step == self.last_completed_step:
+        # An evaluation finished at the last bundle's step (re-run after a drain cut it short there) is
+        # progress: a bundle must record it, and this run's own bundle of the step is replaced by one that does.
+        evaluated = len(self._state.evaluated_steps) != self._last_completed_evaluations
+        if step == self.last_completed_step and not evaluated:
             await self._record(Outcome.SKIPPED, SkipReason.NO_PROGRESS, step, trigger=trigger.value)
             return Outcome.SKIPPED
         final = layout.step_dir(self.root, step)
-        if final.exists():
+        if final.exists() and step != self.last_completed_step:
             log.error("checkpoint %s exists already (restored from an older bundle?): not overwriting it", final)
             await self._record(Outcome.SKIPPED, SkipReason.BUNDLE_EXISTS, step, trigger=trigger.value)
             return Outcome.SKIPPED
@@ -240,6 +246,7 @@ class Checkpointer:
         if self._last_success_wall is not None:
             metrics.checkpoint_effective_cadence.set(now - self._last_success_wall)
         self.last_completed_step = step
+        self._last_completed_evaluations = len(pending.cut.evaluated_steps)
         self.consecutive_failures = 0
         self.interval.observe(pending.phases)
         self._risk.finalized(pending.at_cut)

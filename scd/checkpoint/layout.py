@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+import shutil
 from pathlib import Path
 
 import blake3
@@ -41,6 +42,11 @@ def tmp_dir(root: Path, step: int) -> Path:
     return root / f"step_{step:08d}.tmp"
 
 
+def replacing_dir(final: Path) -> Path:
+    """Where a finalized bundle waits to take the place of ``final`` (``replace_bundle``)."""
+    return final.with_name(final.name + ".replacing")
+
+
 def step_of(path: Path) -> int | None:
     match = _STEP_DIR.match(path.name)
     return int(match.group(1)) if match else None
@@ -61,6 +67,41 @@ def leftover_tmp_dirs(root: Path) -> list[Path]:
         return []
     return sorted(p for p in root.iterdir() if p.is_dir() and (
         p.name.endswith(".tmp") or (step_of(p) is not None and not (p / COMMIT_MARKER).is_file())))
+
+
+def unfinalize(bundle: Path) -> None:
+    """Remove the commit marker, durably: a crash while the directory is deleted after this must not
+    leave a half bundle that looks valid."""
+    (bundle / COMMIT_MARKER).unlink()
+    fsync_path(bundle)
+
+
+def replace_bundle(tmp: Path, final: Path) -> None:
+    """Put the finalized bundle in ``tmp`` in place of ``final``, a bundle of the same step (the step
+    recorded again: an evaluation finished at it after a restore from it).  At every instant one of the
+    two is restorable: ``tmp`` becomes ``<final>.replacing`` first (a restore completes it,
+    ``finish_replacements``), then ``final`` is un-finalized and removed, then the replacement renamed in."""
+    replacing = replacing_dir(final)
+    os.rename(tmp, replacing)
+    fsync_path(final.parent)
+    unfinalize(final)
+    shutil.rmtree(final)
+    os.rename(replacing, final)
+    fsync_path(final.parent)
+
+
+def finish_replacements(root: Path) -> None:
+    """Complete every ``replace_bundle`` a crash interrupted: the replacement is finalized already."""
+    if not root.is_dir():
+        return
+    for replacing in sorted(root.glob("step_*.replacing")):
+        final = replacing.with_name(replacing.name.removesuffix(".replacing"))
+        if final.exists():
+            if (final / COMMIT_MARKER).exists():
+                unfinalize(final)
+            shutil.rmtree(final)
+        os.rename(replacing, final)
+        fsync_path(root)
 
 
 def sha256_file(path: Path) -> str:

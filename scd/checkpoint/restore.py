@@ -126,9 +126,11 @@ class _PhaseClock:
 def resolve_bundle(root: Path, restore_from: Path | None, discard_newer: bool = False) -> Path | None:
     """The bundle to restore: the operator's choice, else the newest finalized one; None for an empty start.
 
-    Leftover ``*.tmp`` directories are removed here: they are never restored.  An operator's
+    A replacement of a bundle a crash interrupted is completed, and leftover ``*.tmp`` directories are
+    removed here: they are never restored.  An operator's
     choice older than bundles in ``root`` is refused unless ``discard_newer`` (``keep_history_linear``).
     """
+    layout.finish_replacements(root)
     for leftover in layout.leftover_tmp_dirs(root):
         log.warning("removing unfinished checkpoint %s", leftover)
         shutil.rmtree(leftover)

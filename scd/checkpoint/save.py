@@ -209,8 +209,11 @@ def write_bundle(pending: PendingBundle, keep_last: int, context: BundleContext)
     _write_file(marker, layout.sha256_file(tmp / layout.TRAINING_INFO_FILE).encode())
     layout.fsync_path(marker)
     faults.hit("before_finalize_rename")
-    os.rename(tmp, pending.final)
-    layout.fsync_path(pending.final.parent)
+    if pending.final.exists():  # this run's own bundle of the step, restored from: recorded again
+        layout.replace_bundle(tmp, pending.final)
+    else:
+        os.rename(tmp, pending.final)
+        layout.fsync_path(pending.final.parent)
     faults.hit("after_finalize_before_latest")
     layout.write_atomic(pending.final.parent / layout.LATEST, pending.final.name.encode())
     apply_retention(pending.final.parent, keep_last, pending.final)
@@ -226,9 +229,7 @@ def apply_retention(root: Path, keep_last: int, written: Path) -> None:
     """
     others = [b for b in layout.finalized_bundles(root) if b != written]
     for old in others[: max(len(others) - (keep_last - 1), 0)]:
-        # Un-finalize first: a crash mid-delete must not leave a half bundle that looks valid.
-        (old / layout.COMMIT_MARKER).unlink()
-        layout.fsync_path(old)
+        layout.unfinalize(old)
         faults.hit("during_retention")
         shutil.rmtree(old)
 
