@@ -82,9 +82,11 @@ class WorkTree:
 
     @classmethod
     def read(cls, repo: Path) -> WorkTree:
-        status = git(repo, "status", "--porcelain", "--untracked-files=all", "--no-renames")
+        # -z: each entry "XY path" NUL-terminated, the path unquoted whatever characters it holds.
+        status = git(repo, "status", "--porcelain", "-z", "--untracked-files=all", "--no-renames")
         now = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
-        return cls(git(repo, "rev-parse", "HEAD").strip(), frozenset(line[3:] for line in status.splitlines()), now)
+        changed = frozenset(entry[3:] for entry in status.split("\0") if entry)
+        return cls(git(repo, "rev-parse", "HEAD").strip(), changed, now)
 
     def measured(self, bench: str) -> Measured:
         dirty = any(path == source or path.startswith(source + "/")
