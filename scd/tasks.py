@@ -11,9 +11,12 @@ fraction of answer positions the completion's text matches.
 
 from __future__ import annotations
 
+import base64
+import datetime
 import random
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
@@ -78,8 +81,43 @@ def _parquet_rows(path: Path) -> Iterator[tuple[str, object]]:
     except (pa.ArrowInvalid, OSError) as exc:
         raise ConfigError("task.path", f"{path}: not a Parquet file: {exc}") from None
     # Rows count from 0, as pyarrow's and pandas' indexes do.
+    types = {column.name: column.type for column in table.schema}
     for row_no, record in enumerate(table.to_pylist()):
-        yield f"{path}:row {row_no}", record
+        where = f"{path}:row {row_no}"
+        row = {}
+        for column, value in record.items():
+            try:
+                row[column] = _json_value(value)
+            except _NotJson as exc:
+                raise ConfigError("task.path", f"{where}: column {column!r} holds {exc.value!r} (Arrow type "
+                                               f"{types[column]}), which no reward could receive: rewards get JSON "
+                                               "values; cast the column to a string or a number, or drop it") from None
+        yield where, row
+
+
+class _NotJson(Exception):
+    def __init__(self, value: object) -> None:
+        super().__init__(repr(value))
+        self.value = value
+
+
+def _json_value(value: object) -> object:
+    """A Parquet value as JSON has it, so that a sync reward (across a pipe), an async one and an HTTP scorer get
+    the same: a decimal as its exact text ("3.10"), bytes as base64 text, a date or time as ISO 8601; lists and
+    structs converted within.  Anything else (a duration) raises ``_NotJson``."""
+    if value is None or isinstance(value, bool | int | float | str):
+        return value
+    if isinstance(value, Decimal):
+        return str(value)
+    if isinstance(value, bytes):
+        return base64.b64encode(value).decode("ascii")
+    if isinstance(value, datetime.date | datetime.time):  # a datetime is a date
+        return value.isoformat()
+    if isinstance(value, list | tuple):  # a map column's pairs are tuples
+        return [_json_value(item) for item in value]
+    if isinstance(value, dict):
+        return {key: _json_value(item) for key, item in value.items()}
+    raise _NotJson(value)
 
 
 def _dataset_prompts(rows: Iterator[tuple[str, object]], config: TaskConfig) -> list[Prompt]:

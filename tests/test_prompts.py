@@ -6,7 +6,10 @@ Tokenizers are the real ones `scd model init-tiny` writes; the run-level checks 
 
 from __future__ import annotations
 
+import contextlib
+import datetime
 import logging
+from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +24,7 @@ from scd.generation.base import GroupRequest
 from scd.model.init_tiny import CHAT_CHARACTERS, ROLE_TOKENS, VOCABULARY, write_tokenizer
 from scd.model.policy import ALPHABET, SPECIAL_TOKENS, UNK, HFPolicy, TinyPolicy, build_policy
 from scd.model.prompts import render_task
+from scd.rewards import RewardInput, load_rewards
 from scd.tasks import build_task
 from tests.conftest import ScdProcess, tiny_config
 
@@ -143,6 +147,53 @@ def test_a_parquet_task_reads_chat_prompts_and_names_rows(tmp_path: Path, tokeni
     pq.write_table(pa.table({"prompt": ["a", None], "answer": ["b", "c"]}), path)
     with pytest.raises(ConfigError, match=rf"task\.prompt_field.*{path}:row 1: 'prompt' must be a string"):
         build_task(config.task)
+
+
+# A sync reward that scores 1 when the row reached it as a Parquet writer's decimal and binary columns promise.
+ROW_READER = """
+import base64
+from decimal import Decimal
+
+def reads_the_row(prompt, completion, answer, row):
+    return float(Decimal(answer) == Decimal("3.10") and base64.b64decode(row["blob"]) == b"\\x00\\xff"
+                 and row["when"] == "2024-01-02" and row["parts"] == [{"price": "0.5"}])
+"""
+
+
+async def test_parquet_decimal_and_binary_columns_reach_sync_rewards_as_json(tmp_path: Path) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = tmp_path / "task.parquet"
+    parts = pa.list_(pa.struct([("price", pa.decimal128(4, 1))]))
+    pq.write_table(pa.table({"prompt": ["1="], "answer": pa.array([Decimal("3.10")], pa.decimal128(5, 2)),
+                             "blob": pa.array([b"\x00\xff"], pa.binary()),
+                             "when": pa.array([datetime.date(2024, 1, 2)], pa.date32()),
+                             "parts": pa.array([[{"price": Decimal("0.5")}]], parts)}), path)
+    (tmp_path / "row_reader.py").write_text(ROW_READER)
+    config = config_for(tmp_path, name="parquet", path=str(path), rewards=[
+        {"function": "row_reader.py:reads_the_row", "name": "row"}, {"function": "exact"}])
+    [prompt] = build_task(config.task)
+    # Exact text for a decimal, base64 for bytes, ISO 8601 for a date: what a sync reward, an async one and an
+    # HTTP scorer all receive alike.
+    assert (prompt.answer, prompt.row) == ("3.10", {"blob": "AP8=", "when": "2024-01-02", "parts": [{"price": "0.5"}]})
+    async with contextlib.aclosing(load_rewards(config.task, tmp_path)) as scorer:
+        [scored] = await scorer.score([RewardInput(prompt.prompt_id, prompt.prompt, "3.10", prompt.answer, prompt.row)])
+        stats = scorer.statistics()
+    assert scored.components == {"row": 1.0, "exact": 1.0}
+    assert (stats.errors, stats.pool.killed) == (0, 0)
+
+
+def test_a_parquet_column_no_reward_could_receive_is_refused_naming_row_column_and_type(tmp_path: Path) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = tmp_path / "task.parquet"
+    pq.write_table(pa.table({"prompt": ["1=", "2="], "answer": ["1", "2"],
+                             "took": pa.array([None, datetime.timedelta(seconds=3)], pa.duration("s"))}), path)
+    with pytest.raises(ConfigError, match=rf"'task\.path': {path}:row 1: column 'took' holds "
+                                          r"datetime\.timedelta\(seconds=3\) \(Arrow type duration\[s\]\)"):
+        build_task(TaskConfig(name="parquet", path=str(path)))
 
 
 NOT_A_PROMPT = "'prompt' must be a string or a non-empty list"

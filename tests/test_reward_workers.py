@@ -7,7 +7,11 @@ import contextlib
 import os
 import signal
 import time
+from decimal import Decimal
 from pathlib import Path
+
+import orjson
+import pytest
 
 from scd.rewards import load_rewards
 from tests.test_rewards import alive, item, task_config, write_module
@@ -59,3 +63,16 @@ async def test_a_worker_that_dies_under_a_call_gets_the_call_retried_once_on_a_f
         stats = scorer.statistics()
     assert all(result.total > 0 for result in results)  # each pid: scored on the second worker it met
     assert (stats.errors, stats.pool.retried, stats.pool.replaced, stats.pool.workers) == (0, 2, 0, 2)
+
+
+async def test_a_value_json_cannot_hold_fails_its_call_before_any_worker_is_taken(tmp_path: Path) -> None:
+    # Dataset rows arrive JSON-safe (scd.tasks); a value that still is not fails the caller, no worker.
+    config = task_config({"function": "exact"}, reward_workers=1)
+    async with contextlib.aclosing(load_rewards(config, tmp_path)) as scorer:
+        with pytest.raises(ExceptionGroup) as caught:  # the scorer's task group
+            await scorer.score([item("x", row={"price": Decimal("0.5")})])
+        assert caught.group_contains(orjson.JSONEncodeError, match="Decimal")
+        [scored] = await scorer.score([item("x", "x")])
+        stats = scorer.statistics()
+    assert scored.total == 1.0
+    assert (stats.pool.killed, stats.pool.workers) == (0, 1)

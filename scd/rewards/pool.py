@@ -66,6 +66,10 @@ class PoolCall:
     row: dict[str, Any]
 
 
+def _line(message: object) -> bytes:
+    return orjson.dumps(message) + b"\n"
+
+
 class _Worker:
     def __init__(self, process: Process) -> None:
         assert process.stdin is not None and process.stdout is not None
@@ -73,8 +77,8 @@ class _Worker:
         self._calls = process.stdin
         self._replies = BufferedByteReceiveStream(process.stdout)
 
-    async def send(self, message: object) -> None:
-        await self._calls.send(orjson.dumps(message) + b"\n")
+    async def send(self, line: bytes) -> None:
+        await self._calls.send(line)
 
     async def receive(self) -> dict[str, Any]:
         return orjson.loads(await self._replies.receive_until(b"\n", _MAX_LINE_BYTES))
@@ -136,26 +140,27 @@ class WorkerPool:
     async def call(self, call: PoolCall, timeout_s: float) -> Outcome:
         """One reward call in a worker, killed (and later replaced) if it runs past ``timeout_s``; run once more
         on a fresh worker if its worker dies under it."""
+        line = _line(call)  # before a worker is taken: a value JSON cannot hold is the caller's error, no worker's
         self._queued += 1
         try:
             await self._free.acquire()
         finally:
             self._queued -= 1
         try:
-            outcome = await self._call_once(call, timeout_s)
+            outcome = await self._call_once(line, timeout_s)
             if isinstance(outcome, _DiedScoring):
                 self._retried += 1
                 log.warning("a reward call failed, %s: it runs again on a fresh worker", outcome.failure.detail)
-                outcome = await self._call_once(call, timeout_s)
+                outcome = await self._call_once(line, timeout_s)
             return outcome.failure if isinstance(outcome, _DiedScoring) else outcome
         finally:
             self._free.release()
 
-    async def _call_once(self, call: PoolCall, timeout_s: float) -> Outcome | _DiedScoring:
+    async def _call_once(self, line: bytes, timeout_s: float) -> Outcome | _DiedScoring:
         worker = await self._live_idle_worker() or await self._start()
         if isinstance(worker, Failure):
             return worker
-        return await self._run(worker, call, timeout_s)
+        return await self._run(worker, line, timeout_s)
 
     async def _live_idle_worker(self) -> _Worker | None:
         """An idle worker still alive, those found dead collected on the way (no call's fault); None when none is."""
@@ -170,11 +175,11 @@ class WorkerPool:
                         worker.process.pid, worker.process.returncode)
         return None
 
-    async def _run(self, worker: _Worker, call: PoolCall, timeout_s: float) -> Outcome | _DiedScoring:
+    async def _run(self, worker: _Worker, line: bytes, timeout_s: float) -> Outcome | _DiedScoring:
         self._busy += 1
         try:
             with anyio.move_on_after(timeout_s) as deadline:
-                await worker.send(call)
+                await worker.send(line)
                 reply = await worker.receive()
         except (anyio.BrokenResourceError, anyio.ClosedResourceError, anyio.IncompleteRead, anyio.EndOfStream):
             return _DiedScoring(await self._lost(worker, "exited while scoring"))
@@ -201,7 +206,7 @@ class WorkerPool:
         worker = _Worker(process)
         try:
             with anyio.fail_after(WORKER_START_TIMEOUT_S):
-                await worker.send(self._header)
+                await worker.send(_line(self._header))
                 started = await worker.receive()
         except TimeoutError:
             await self._discard(worker, killed=False)
