@@ -60,7 +60,8 @@ async def loop_stall(tmp: Path, steps: int = 150) -> dict[str, float]:
         {"function": "regex", "name": "backtracking", "args": {"pattern": r"^(a+)+$"}},
     ]}}, directory).task
     config = tiny(directory / "run")
-    group = [RewardInput(prompt_id=i, prompt="p", completion=COMPLETION, answer="", row={}) for i in range(GROUP_SIZE)]
+    group = [RewardInput(prompt_id=i, prompt="p", completion=COMPLETION, answer="", row={}, where=f"bench prompt {i}")
+             for i in range(GROUP_SIZE)]
     await clear(config.data_plane.partition)
     stalls: list[float] = []
     scored = [0]

@@ -47,9 +47,11 @@ class RewardError(ScdError):
 
     exit_code = EXIT_OTHER
 
-    def __init__(self, reward: str, function: str, prompt_id: int, cause: str, detail: str) -> None:
-        super().__init__(f"reward {reward!r} (function {function!r}) failed on prompt {prompt_id}: {detail}")
+    def __init__(self, reward: str, function: str, prompt_id: int, where: str, cause: str, detail: str) -> None:
+        # The prompt by its place in the dataset (file:line), as a load error names it: an id means nothing to a user.
+        super().__init__(f"reward {reward!r} (function {function!r}) failed on {where}: {detail}")
         self.reward = reward
         self.function = function
         self.prompt_id = prompt_id
+        self.where = where
         self.cause = cause

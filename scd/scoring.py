@@ -132,7 +132,7 @@ class ScoringStage:
 
     def _input(self, sibling: SiblingToScore, completion: str) -> RewardInput:
         prompt = self._prompts[sibling.prompt_id].prompt
-        return RewardInput(sibling.prompt_id, prompt.prompt, completion, prompt.answer, prompt.row)
+        return RewardInput(sibling.prompt_id, prompt.prompt, completion, prompt.answer, prompt.row, prompt.where)
 
     async def _until_available(self, inputs: list[RewardInput]) -> list[Scored]:
         """The batch's scores, asked again while a reward's service does not answer: the one place an outage

@@ -13,18 +13,21 @@ from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
+import anyio
 import orjson
 import pytest
 from prometheus_client import REGISTRY
 
 from scd.config import Config, TaskConfig, parse_config
 from scd.daemon import Controller
-from scd.errors import ConfigError
+from scd.errors import ConfigError, RewardError
 from scd.generation.base import GroupRequest
 from scd.model.init_tiny import CHAT_CHARACTERS, ROLE_TOKENS, VOCABULARY, write_tokenizer
 from scd.model.policy import ALPHABET, SPECIAL_TOKENS, UNK, HFPolicy, TinyPolicy, build_policy
-from scd.model.prompts import render_task
+from scd.model.prompts import RenderedPrompt, render_task
+from scd.records import Completion, FinishReason
 from scd.rewards import RewardInput, load_rewards
+from scd.scoring import ScoringStage, SiblingToScore
 from scd.tasks import build_task
 from tests.conftest import ScdProcess, tiny_config
 
@@ -178,7 +181,8 @@ async def test_parquet_decimal_and_binary_columns_reach_sync_rewards_as_json(tmp
     # HTTP scorer all receive alike.
     assert (prompt.answer, prompt.row) == ("3.10", {"blob": "AP8=", "when": "2024-01-02", "parts": [{"price": "0.5"}]})
     async with contextlib.aclosing(load_rewards(config.task, tmp_path)) as scorer:
-        [scored] = await scorer.score([RewardInput(prompt.prompt_id, prompt.prompt, "3.10", prompt.answer, prompt.row)])
+        [scored] = await scorer.score([RewardInput(prompt.prompt_id, prompt.prompt, "3.10", prompt.answer, prompt.row,
+                                                   prompt.where)])
         stats = scorer.statistics()
     assert scored.components == {"row": 1.0, "exact": 1.0}
     assert (stats.errors, stats.pool.killed) == (0, 0)
@@ -194,6 +198,30 @@ def test_a_parquet_column_no_reward_could_receive_is_refused_naming_row_column_a
     with pytest.raises(ConfigError, match=rf"'task\.path': {path}:row 1: column 'took' holds "
                                           r"datetime\.timedelta\(seconds=3\) \(Arrow type duration\[s\]\)"):
         build_task(TaskConfig(name="parquet", path=str(path)))
+
+
+FAILS_ON_THREE = """
+def fails_on_three(prompt, completion, answer, row):
+    if row["n"] == 3:
+        raise ValueError("no three")
+    return 1.0
+"""
+
+
+async def test_a_reward_error_names_the_prompts_file_and_line(tmp_path: Path) -> None:
+    task = write_jsonl(tmp_path / "task.jsonl", [{"prompt": f"{n}=", "answer": str(n), "n": n} for n in range(5)])
+    (tmp_path / "fails.py").write_text(FAILS_ON_THREE)
+    config = config_for(tmp_path, name="jsonl", path=str(task), reward_workers=1,
+                        rewards=[{"function": "fails.py:fails_on_three", "name": "picky"}])
+    prompts = [RenderedPrompt(prompt, (1,), 4) for prompt in build_task(config.task)]
+    finished = [SiblingToScore(f"g{n}", n, 0, Completion([1], [0.0], FinishReason.EOS, 0)) for n in (1, 3)]
+    async with contextlib.aclosing(load_rewards(config.task, tmp_path)) as scorer:
+        stage = ScoringStage(scorer, prompts, lambda token_ids: "x", lambda sibling, scored: None)
+        with anyio.fail_after(60), pytest.raises(ExceptionGroup) as caught:  # the stage's task groups
+            await stage.run(finished)
+    # Row n = 3 is the file's fourth line, as a load error would name it.
+    assert caught.group_contains(RewardError, match=rf"^reward 'picky' \(function 'fails.py:fails_on_three'\) failed "
+                                                    rf"on {task}:4: raised ValueError: no three$")
 
 
 NOT_A_PROMPT = "'prompt' must be a string or a non-empty list"

@@ -36,7 +36,8 @@ def task_config(*rewards: dict[str, Any], **keys: Any) -> TaskConfig:
 
 def item(completion: str, answer: Any = "", *, prompt: Any = "p", prompt_id: int = 0,
          row: dict[str, Any] | None = None) -> RewardInput:
-    return RewardInput(prompt_id=prompt_id, prompt=prompt, completion=completion, answer=answer, row=row or {})
+    return RewardInput(prompt_id=prompt_id, prompt=prompt, completion=completion, answer=answer, row=row or {},
+                       where=f"task.jsonl:{prompt_id + 1}")
 
 
 def write_module(directory: Path, source: str) -> str:
@@ -387,7 +388,8 @@ async def test_a_bad_reward_stops_the_run_naming_itself_or_scores_zero_and_is_co
         if reward_errors == "stop":
             with pytest.raises(RewardError) as caught:
                 await scorer.score([item("4", "4", prompt_id=7)])
-            assert str(caught.value) == f"reward {name!r} (function '{module}:{function}') failed on prompt 7: {said}"
+            assert str(caught.value) == \
+                f"reward {name!r} (function '{module}:{function}') failed on task.jsonl:8: {said}"
             assert (caught.value.cause, caught.value.prompt_id, caught.value.exit_code) == (cause, 7, EXIT_OTHER)
         else:
             [result] = await scorer.score([item("4", "4", prompt_id=7)])
@@ -510,7 +512,8 @@ async def main(directory: Path) -> None:
     task = parse_config({"task": {"rewards": [{"function": "NAME:hangs"}], "reward_workers": 2}}, directory).task
     scorer = load_rewards(task, directory)
     row = {"pids": str(directory / "pids")}
-    await scorer.score([RewardInput(0, "p", "c", "a", row), RewardInput(1, "p", "c", "a", row)])
+    await scorer.score([RewardInput(0, "p", "c", "a", row, "task.jsonl:1"),
+                        RewardInput(1, "p", "c", "a", row, "task.jsonl:2")])
 
 anyio.run(main, Path(sys.argv[1]))
 """

@@ -124,7 +124,7 @@ async def test_the_chat_example_renders_its_template_and_pays_for_the_answer_and
     # The answer then EOS; the answer running on past it; no digit at all.
     completions = [row["answer"], row["answer"] + "00", "abcd"]
     async with contextlib.aclosing(load_rewards(config.task, REPO / "configs")) as scorer:
-        scored = await scorer.score([RewardInput(0, row["prompt"], completion, row["answer"], {})
+        scored = await scorer.score([RewardInput(0, row["prompt"], completion, row["answer"], {}, "train.jsonl:1")
                                      for completion in completions])
     assert [s.total for s in scored] == pytest.approx([1.0, 0.5, 0.0])
     assert set(scored[0].components) == {"digits", "digits/exact", "format"}

@@ -77,6 +77,7 @@ class RewardInput:
     completion: str
     answer: Any
     row: dict[str, Any]  # the row's columns other than prompt and answer
+    where: str  # the prompt's file:line (Parquet: file:row N), or the built-in's name and index: what errors name
 
 
 @dataclass(frozen=True, slots=True)
@@ -349,11 +350,11 @@ class Scorer:
             if self._zero_errors and (reward.name, failure.cause) not in self._logged_causes:
                 # Once per reward and cause: the counter says how often, the log what it looks like.
                 self._logged_causes.add((reward.name, failure.cause))
-                log.warning("reward %r scores 0 on prompt %d (task.reward_errors = \"zero\"): %s; further %s "
-                            "failures are only counted", reward.name, item.prompt_id, failure.detail, failure.cause)
+                log.warning("reward %r scores 0 on %s (task.reward_errors = \"zero\"): %s; further %s "
+                            "failures are only counted", reward.name, item.where, failure.detail, failure.cause)
         if failures and not self._zero_errors:
             reward, item, failure = failures[0]
-            raise RewardError(reward.name, reward.function, item.prompt_id, failure.cause, failure.detail)
+            raise RewardError(reward.name, reward.function, item.prompt_id, item.where, failure.cause, failure.detail)
         self._counts.errors_zeroed += len(failures)
         return [self._combined([by_item[index] for by_item in outcomes], observe) for index in range(len(items))]
 
