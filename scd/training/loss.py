@@ -10,9 +10,10 @@ The clip bounds current ÷ proximal: the trust region around the weights the ste
 off-policy correction weights each token by proximal ÷ behaviour: how much likelier the trainer finds the
 token than the engine that drew it, whether the engine's weights were stale or its numerics differ.  Without
 a proximal (no correction asked for, one optimizer step per train step) the clip anchors to the behaviour
-logprobs, as scd always has: the default settings are that loss, bit for bit.  With one optimizer step per
-train step the proximal logprobs are the current ones, detached (same weights, same pass); an extra forward
-is needed only from the second mini-batch of a step on.
+logprobs, as scd always has: the default settings are that loss, bit for bit.  While a step has taken no
+optimizer step yet the proximal logprobs are the current ones, detached (same weights, same pass): an extra
+forward without gradients, before the step's first update, is needed only for the rows of its later
+mini-batches.
 
 Definitions, with ``r = proximal ÷ behaviour`` per token and the peers' names for the same thing:
 
