@@ -484,6 +484,116 @@ def _nearest_key(key: str) -> str:
     return f"; did you mean {'.'.join([*sections, close[0]])!r}?" if close else ""
 
 
+# Keys a TRL, verl or OpenRLHF config brings, by their name there (a dotted tail also matches inside a table of
+# theirs, as verl's actor_rollout_ref.rollout.n): scd's key for the same setting and what differs, or ("", why
+# scd has none).  Asked only about a key scd does not know; a name scd has elsewhere needs no entry.
+FOREIGN_KEYS: dict[str, tuple[str, str]] = {
+    "learning_rate": ("trainer.lr", ""),
+    "num_generations": ("generation.group_size", ""),
+    "n_samples_per_prompt": ("generation.group_size", ""),
+    "rollout.n": ("generation.group_size", ""),
+    "max_completion_length": ("generation.max_new_tokens", ""),
+    "response_length": ("generation.max_new_tokens", ""),
+    "max_response_length": ("generation.max_new_tokens", ""),
+    "generate_max_len": ("generation.max_new_tokens", ""),
+    "max_prompt_length": ("task.max_prompt_tokens", ""),
+    "prompt_max_len": ("task.max_prompt_tokens", ""),
+    "epsilon": ("trainer.clip_eps", ""),
+    "clip_ratio": ("trainer.clip_eps", ""),
+    "eps_clip": ("trainer.clip_eps", ""),
+    "cliprange": ("trainer.clip_eps", ""),
+    "entropy_coeff": ("trainer.entropy_coef", ""),
+    "grad_clip": ("trainer.max_grad_norm", ""),
+    "per_device_train_batch_size": ("trainer.groups_per_step", "it counts groups of generation.group_size "
+                                                               "completions, not completions"),
+    "train_batch_size": ("trainer.groups_per_step", "prompts a step trains, each a group of "
+                                                    "generation.group_size completions"),
+    "ppo_mini_batch_size": ("trainer.groups_per_step", "scd takes one optimizer step a train step"),
+    "num_train_epochs": ("run.max_steps", "scd counts train steps, not epochs: an epoch of N prompts is "
+                                          "N / trainer.groups_per_step steps"),
+    "total_epochs": ("run.max_steps", "scd counts train steps, not epochs: an epoch of N prompts is "
+                                      "N / trainer.groups_per_step steps"),
+    "total_training_steps": ("run.max_steps", ""),
+    "gradient_checkpointing": ("trainer.activation_checkpointing", ""),
+    "enable_gradient_checkpointing": ("trainer.activation_checkpointing", ""),
+    "model_name_or_path": ("model.name", "a local Hugging Face model directory"),
+    "model.path": ("model.name", "a local Hugging Face model directory"),
+    "pretrain": ("model.name", "a local Hugging Face model directory"),
+    "bf16": ("model.dtype", 'set it to "bfloat16"'),
+    "use_vllm": ("generation.backend", 'set it to "vllm"'),
+    "vllm_gpu_memory_utilization": ("generation.vllm.gpu_memory_utilization", ""),
+    "tensor_model_parallel_size": ("generation.vllm.tensor_parallel_size", ""),
+    "vllm_tensor_parallel_size": ("generation.vllm.tensor_parallel_size", ""),
+    "reward_funcs": ("task.rewards", "a [[task.rewards]] table for each function"),
+    "reward_weights": ("task.rewards", "each [[task.rewards]] table's weight"),
+    "train_files": ("task.path", ""),
+    "prompt_key": ("task.prompt_field", ""),
+    "report_to": ("telemetry.trackers", ""),
+    "save_steps": ("checkpointing.interval_s", "scd checkpoints by time, in seconds"),
+    "save_freq": ("checkpointing.interval_s", "scd checkpoints by time, in seconds"),
+    "beta": ("", "its GRPO loss has no KL penalty against a reference policy"),
+    "kl_coef": ("", "its GRPO loss has no KL penalty against a reference policy"),
+    "kl_loss_coef": ("", "its GRPO loss has no KL penalty against a reference policy"),
+    "init_kl_coef": ("", "its GRPO loss has no KL penalty against a reference policy"),
+    "use_kl_loss": ("", "its GRPO loss has no KL penalty against a reference policy"),
+    "gradient_accumulation_steps": ("", "it takes one optimizer step a train step, on trainer.groups_per_step "
+                                        "groups: raise that for a larger batch"),
+    "num_iterations": ("", "it takes one optimizer step on each batch of groups"),
+    "ppo_epochs": ("", "it takes one optimizer step on each batch of groups"),
+    "epsilon_high": ("", "its clip is symmetric, trainer.clip_eps"),
+    "clip_ratio_high": ("", "its clip is symmetric, trainer.clip_eps"),
+    "clip_ratio_low": ("", "its clip is symmetric, trainer.clip_eps"),
+}
+
+
+def known_keys(struct: Any = None, prefix: str = "") -> list[str]:
+    """Every key of ``struct`` (the whole config by default), dotted; a section's keys, not the section."""
+    keys: list[str] = []
+    for spec in msgspec.structs.fields(struct or Config):
+        if isinstance(spec.type, type) and issubclass(spec.type, msgspec.Struct):
+            keys.extend(known_keys(spec.type, f"{prefix}{spec.name}."))
+        else:
+            keys.append(prefix + spec.name)
+    return keys
+
+
+def _foreign_hint(path: str) -> str:
+    """What scd calls the setting another framework names ``path`` ("" when it is none scd knows of)."""
+    names = [name for name in FOREIGN_KEYS if path == name or path.endswith(f".{name}")]
+    if not names:
+        return ""
+    key, note = FOREIGN_KEYS[max(names, key=len)]
+    if not key:
+        return f"scd has no equivalent: {note}"
+    return f"scd's key is {key!r}" + (f" ({note})" if note else "")
+
+
+def _elsewhere_hint(path: str) -> str:
+    """scd's keys of the same name as ``path``'s last part, in other sections ("" when there are none)."""
+    leaf = path.rpartition(".")[2]
+    keys = [key for key in known_keys() if key.rpartition(".")[2] == leaf]
+    return f"scd's key of that name is {' or '.join(map(repr, keys))}" if keys else ""
+
+
+def _unknown_key_hint(key: str, data: dict[str, Any]) -> str:
+    """What to set instead of the unknown ``key``: scd's name for another framework's key, the nearest known key
+    (a typo), or scd's key of the same name in another section; for a whole unknown table, each of its keys."""
+    value: Any = data
+    for part in key.split("."):
+        value = value.get(part) if isinstance(value, dict) else None
+    if not isinstance(value, dict):
+        hint = _foreign_hint(key)
+        if hint:
+            return f"; {hint}"
+        elsewhere = _elsewhere_hint(key)
+        return _nearest_key(key) or (f"; {elsewhere}" if elsewhere else "")
+    paths = list(_flat_settings(value, key))
+    if not any(map(_foreign_hint, paths)) and _nearest_key(key):  # a typo of a section's name
+        return _nearest_key(key)
+    hints = [f"{path}: {hint}" for path in paths if (hint := _foreign_hint(path) or _elsewhere_hint(path))]
+    return f"; of what it holds, {'; '.join(hints)}" if hints else ""
+
+
 # Keys that moved: a config that still sets one is told where it went.
 _MOVED_KEYS = {
     ("generation", "batch_groups"): "generation.torch.batch_groups",
@@ -518,7 +628,7 @@ def parse_config(data: dict[str, object], base_dir: Path) -> Config:
         config = msgspec.convert(data, Config, strict=True)
     except msgspec.ValidationError as exc:
         key = _key_of(str(exc))
-        hint = _nearest_key(key) if _UNKNOWN_FIELD.search(str(exc)) else ""
+        hint = _unknown_key_hint(key, data) if _UNKNOWN_FIELD.search(str(exc)) else ""
         raise ConfigError(key, f"{exc}{hint}") from None
     _resolve_paths(config, base_dir)
     validate(config)

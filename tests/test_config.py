@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from scd.cluster import plan_devices
-from scd.config import derive_config, load_config, parse_config
-from scd.errors import ConfigError
+from scd.config import FOREIGN_KEYS, derive_config, known_keys, load_config, parse_config
+from scd.errors import EXIT_CONFIG, ConfigError
 from tests.conftest import REPO, SCD
 
 BAD_CONFIGS = [
@@ -180,3 +180,47 @@ def test_an_unknown_key_suggests_the_nearest_known_one(tmp_path: Path, text: str
         load_config(path)
     assert caught.value.key == key
     assert (hint in str(caught.value)) if hint else "did you mean" not in str(caught.value)
+
+
+@pytest.mark.parametrize(("text", "key", "hint"), [
+    ("[trainer]\nlearning_rate = 1e-6\n", "trainer.learning_rate", "; scd's key is 'trainer.lr'"),
+    ("learning_rate = 1e-6\n", "learning_rate", "; scd's key is 'trainer.lr'"),
+    ("[trainer]\nnum_generations = 8\n", "trainer.num_generations", "; scd's key is 'generation.group_size'"),
+    ("[generation]\nmax_completion_length = 256\n", "generation.max_completion_length",
+     "; scd's key is 'generation.max_new_tokens'"),
+    ("[trainer]\nepsilon = 0.2\n", "trainer.epsilon", "; scd's key is 'trainer.clip_eps'"),
+    ("[trainer]\nper_device_train_batch_size = 8\n", "trainer.per_device_train_batch_size",
+     "; scd's key is 'trainer.groups_per_step' (it counts groups of generation.group_size completions"),
+    ("[trainer]\nnum_train_epochs = 3\n", "trainer.num_train_epochs", "; scd's key is 'run.max_steps' (scd counts "
+                                                                     "train steps, not epochs"),
+    ("[trainer]\nbeta = 0.04\n", "trainer.beta", "; scd has no equivalent: its GRPO loss has no KL penalty"),
+    ("[trainer]\ngradient_accumulation_steps = 4\n", "trainer.gradient_accumulation_steps",
+     "; scd has no equivalent: it takes one optimizer step a train step"),
+    # A name scd has, in another section.
+    ("[trainer]\ntemperature = 0.7\n", "trainer.temperature",
+     "; scd's key of that name is 'generation.temperature' or 'eval.temperature'"),
+    ("[run]\nmax_grad_norm = 1.0\n", "run.max_grad_norm", "; scd's key of that name is 'trainer.max_grad_norm'"),
+    # verl's tables, whole: each key they hold that scd knows by another name.
+    ("[data]\nmax_prompt_length = 512\n", "data", "; of what it holds, data.max_prompt_length: scd's key is "
+                                                  "'task.max_prompt_tokens'"),
+    ("[actor_rollout_ref.rollout]\nn = 8\nresponse_length = 512\n[actor_rollout_ref.actor.optim]\nlr = 1e-6\n"
+     "[algorithm.kl_ctrl]\nkl_coef = 0.001\n", "actor_rollout_ref",
+     "; of what it holds, actor_rollout_ref.rollout.n: scd's key is 'generation.group_size'; "
+     "actor_rollout_ref.rollout.response_length: scd's key is 'generation.max_new_tokens'; "
+     "actor_rollout_ref.actor.optim.lr: scd's key of that name is 'trainer.lr'"),
+])
+def test_a_key_another_framework_names_gets_scds_key_for_it(tmp_path: Path, text: str, key: str, hint: str) -> None:
+    path = tmp_path / "scd.toml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as caught:
+        load_config(path)
+    assert (caught.value.key, caught.value.exit_code) == (key, EXIT_CONFIG)
+    assert hint in str(caught.value)
+    assert "did you mean" not in str(caught.value)
+
+
+def test_every_foreign_keys_scd_key_exists_and_every_no_equivalent_is_still_true() -> None:
+    keys = set(known_keys())
+    leaves = {key.rpartition(".")[2] for key in keys}
+    for name, (key, why) in FOREIGN_KEYS.items():
+        assert key in keys if key else name.rpartition(".")[2] not in leaves, (name, key, why)
