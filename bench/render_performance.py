@@ -437,7 +437,7 @@ def render(summary: Summary, gpu_checks: dict[str, Summary]) -> str:
         "**stale**: that code changed after the commit, as of "
         f"`{summary[PROVENANCE]['checked_at'][:7]}`, when the results were last written; "
         "`python -m bench.summary --stale` checks against HEAD now and names the commits. **superseded**: the "
-        "figure does not measure what its name claims, and why. Figures committed before issue 51 carry the "
+        "figure does not measure what its name claims, and why. Figures committed before 2026-12-07 carry the "
         "commit that last changed their value in summary.json (its history walked oldest first), the best "
         "record there is of the code they measured.",
     ])
