@@ -487,6 +487,12 @@ def _nearest_key(key: str) -> str:
 # Keys a TRL, verl or OpenRLHF config brings, by their name there (a dotted tail also matches inside a table of
 # theirs, as verl's actor_rollout_ref.rollout.n): scd's key for the same setting and what differs, or ("", why
 # scd has none).  Asked only about a key scd does not know; a name scd has elsewhere needs no entry.
+_EPOCHS = "scd counts train steps, not epochs: an epoch of N prompts is N / trainer.groups_per_step steps"
+_HF_DIRECTORY = "a local Hugging Face model directory"
+_BY_TIME = "scd checkpoints by time, in seconds"
+_NO_KL = "its GRPO loss has no KL penalty against a reference policy"
+_ONE_STEP = "it takes one optimizer step on each batch of groups"
+_SYMMETRIC_CLIP = "its clip is symmetric, trainer.clip_eps"
 FOREIGN_KEYS: dict[str, tuple[str, str]] = {
     "learning_rate": ("trainer.lr", ""),
     "num_generations": ("generation.group_size", ""),
@@ -509,16 +515,14 @@ FOREIGN_KEYS: dict[str, tuple[str, str]] = {
     "train_batch_size": ("trainer.groups_per_step", "prompts a step trains, each a group of "
                                                     "generation.group_size completions"),
     "ppo_mini_batch_size": ("trainer.groups_per_step", "scd takes one optimizer step a train step"),
-    "num_train_epochs": ("run.max_steps", "scd counts train steps, not epochs: an epoch of N prompts is "
-                                          "N / trainer.groups_per_step steps"),
-    "total_epochs": ("run.max_steps", "scd counts train steps, not epochs: an epoch of N prompts is "
-                                      "N / trainer.groups_per_step steps"),
+    "num_train_epochs": ("run.max_steps", _EPOCHS),
+    "total_epochs": ("run.max_steps", _EPOCHS),
     "total_training_steps": ("run.max_steps", ""),
     "gradient_checkpointing": ("trainer.activation_checkpointing", ""),
     "enable_gradient_checkpointing": ("trainer.activation_checkpointing", ""),
-    "model_name_or_path": ("model.name", "a local Hugging Face model directory"),
-    "model.path": ("model.name", "a local Hugging Face model directory"),
-    "pretrain": ("model.name", "a local Hugging Face model directory"),
+    "model_name_or_path": ("model.name", _HF_DIRECTORY),
+    "model.path": ("model.name", _HF_DIRECTORY),
+    "pretrain": ("model.name", _HF_DIRECTORY),
     "bf16": ("model.dtype", 'set it to "bfloat16"'),
     "use_vllm": ("generation.backend", 'set it to "vllm"'),
     "vllm_gpu_memory_utilization": ("generation.vllm.gpu_memory_utilization", ""),
@@ -529,20 +533,20 @@ FOREIGN_KEYS: dict[str, tuple[str, str]] = {
     "train_files": ("task.path", ""),
     "prompt_key": ("task.prompt_field", ""),
     "report_to": ("telemetry.trackers", ""),
-    "save_steps": ("checkpointing.interval_s", "scd checkpoints by time, in seconds"),
-    "save_freq": ("checkpointing.interval_s", "scd checkpoints by time, in seconds"),
-    "beta": ("", "its GRPO loss has no KL penalty against a reference policy"),
-    "kl_coef": ("", "its GRPO loss has no KL penalty against a reference policy"),
-    "kl_loss_coef": ("", "its GRPO loss has no KL penalty against a reference policy"),
-    "init_kl_coef": ("", "its GRPO loss has no KL penalty against a reference policy"),
-    "use_kl_loss": ("", "its GRPO loss has no KL penalty against a reference policy"),
+    "save_steps": ("checkpointing.interval_s", _BY_TIME),
+    "save_freq": ("checkpointing.interval_s", _BY_TIME),
+    "beta": ("", _NO_KL),
+    "kl_coef": ("", _NO_KL),
+    "kl_loss_coef": ("", _NO_KL),
+    "init_kl_coef": ("", _NO_KL),
+    "use_kl_loss": ("", _NO_KL),
     "gradient_accumulation_steps": ("", "it takes one optimizer step a train step, on trainer.groups_per_step "
                                         "groups: raise that for a larger batch"),
-    "num_iterations": ("", "it takes one optimizer step on each batch of groups"),
-    "ppo_epochs": ("", "it takes one optimizer step on each batch of groups"),
-    "epsilon_high": ("", "its clip is symmetric, trainer.clip_eps"),
-    "clip_ratio_high": ("", "its clip is symmetric, trainer.clip_eps"),
-    "clip_ratio_low": ("", "its clip is symmetric, trainer.clip_eps"),
+    "num_iterations": ("", _ONE_STEP),
+    "ppo_epochs": ("", _ONE_STEP),
+    "epsilon_high": ("", _SYMMETRIC_CLIP),
+    "clip_ratio_high": ("", _SYMMETRIC_CLIP),
+    "clip_ratio_low": ("", _SYMMETRIC_CLIP),
 }
 
 
