@@ -223,13 +223,25 @@ class TaskConfig(_Section):
     reward_timeout_s: float = 30.0
     # A reward that raises, times out or returns no finite number: "stop" the run, or score it 0 and count it.
     reward_errors: Literal["stop", "zero"] = "stop"
-    # Worker processes that run the sync rewards (the built-ins included); "auto": the cores this process
-    # may run on, less one, at least 1.
+    # Worker processes that run the sync rewards (the built-ins included), each started when calls need it;
+    # "auto": the cores this process may run on less one, at least 1 and at most AUTO_REWARD_WORKERS_MAX.
     reward_workers: int | Literal["auto"] = "auto"
 
     def reward_worker_count(self) -> int:
-        """``reward_workers`` as a number: "auto" leaves one core to the event loop and the trainer."""
-        return max(1, len(os.sched_getaffinity(0)) - 1) if self.reward_workers == "auto" else self.reward_workers
+        """``reward_workers`` as a number (``auto_reward_workers`` of this process's cores for "auto")."""
+        return auto_reward_workers(len(os.sched_getaffinity(0))) if self.reward_workers == "auto" \
+            else self.reward_workers
+
+
+# Each reward worker holds ~285 MiB and takes seconds to start: cores - 1 on a 192-vCPU node held ~53 GiB.  A
+# worker scores a ~20 ms Python reward ~45 times a second (bench reward_stage), so eight score ~360 completions a
+# second; a CPU-heavier reward (a sandbox, a solver) sets task.reward_workers.
+AUTO_REWARD_WORKERS_MAX = 8
+
+
+def auto_reward_workers(cores: int) -> int:
+    """``task.reward_workers = "auto"`` on ``cores`` cores: one left to the event loop and the trainer."""
+    return min(AUTO_REWARD_WORKERS_MAX, max(1, cores - 1))
 
 
 class SamplerConfig(_Section):

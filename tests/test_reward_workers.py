@@ -13,6 +13,7 @@ from pathlib import Path
 import orjson
 import pytest
 
+from scd.config import auto_reward_workers
 from scd.rewards import load_rewards
 from tests.test_rewards import alive, item, task_config, write_module
 
@@ -76,3 +77,10 @@ async def test_a_value_json_cannot_hold_fails_its_call_before_any_worker_is_take
         stats = scorer.statistics()
     assert scored.total == 1.0
     assert (stats.pool.killed, stats.pool.workers) == (0, 1)
+
+
+def test_auto_reward_workers_leave_a_core_to_the_loop_and_stop_at_eight() -> None:
+    # Each worker holds ~285 MiB and takes ~5 s to start: cores - 1 on a 192-vCPU node was ~53 GiB.
+    assert [auto_reward_workers(cores) for cores in (1, 2, 4, 9, 16, 192)] == [1, 1, 3, 8, 8, 8]
+    assert task_config().reward_worker_count() == auto_reward_workers(len(os.sched_getaffinity(0)))
+    assert task_config(reward_workers=12).reward_worker_count() == 12

@@ -156,11 +156,6 @@ async def test_a_module_may_be_a_file_relative_to_the_config_directory(tmp_path:
     assert str(rewards) not in sys.path
 
 
-def test_reward_workers_auto_leaves_a_core_to_the_loop() -> None:
-    assert task_config().reward_worker_count() == max(1, len(os.sched_getaffinity(0)) - 1)
-    assert task_config(reward_workers=3).reward_worker_count() == 3
-
-
 @pytest.mark.slow  # an `scd` subprocess
 @pytest.mark.parametrize(("function", "said"), [
     ("scd_no_such_module:reward", "cannot import 'scd_no_such_module'"),
