@@ -292,6 +292,15 @@ def test_unknown_characters_are_counted_and_named_once(tmp_path: Path, tokenizer
                                   f"the first at {task}:1; the characters: '~', 'é', 'ï'"), (model, warning)
 
 
+def test_the_docs_say_which_characters_the_tiny_tokenizers_know() -> None:
+    said = " ".join((Path(__file__).parents[1] / "docs" / "own-task.md").read_text().split())
+    digits, lower, upper = "0123456789", "abcdefghijklmnopqrstuvwxyz", "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
+    assert ALPHABET == f"{digits}{lower}+-*=,.:;()[] "
+    assert "knows `0-9`, `a-z`, `+-*=,.:;()[]` and space" in said
+    assert CHAT_CHARACTERS == f"{upper}/?!'\"<>|_\n" and set(VOCABULARY) >= set(ROLE_TOKENS)
+    assert "adds `A-Z`, `/?!'\"<>|_` and newline, and a token for each chat role" in said
+
+
 def test_prompt_keys_are_checked_where_they_are_set(tmp_path: Path, tokenizer_dir: Path) -> None:
     task = write_jsonl(tmp_path / "task.jsonl", [{"prompt": "12=", "answer": "21"}])
     for key, value in (("system_prompt", "Be brief."), ("chat_template", "none"), ("prompt_field", "q")):
