@@ -11,6 +11,7 @@ import errno
 import shutil
 import subprocess
 import threading
+import tomllib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -432,9 +433,14 @@ def test_scd_run_restoring_a_bundle_that_fails_verification_names_a_good_older_o
     bad, good = newest(root), root / "step_00000003"
     (bad / layout.SIDECAR_FILE).write_bytes((bad / layout.SIDECAR_FILE).read_bytes()[:100])
     before = tree_digest(root)
+    # The golden run's config: a bundle is checked against the config before Ray starts, and only its
+    # corruption may stop this run.
+    data = tomllib.loads((REPO / "configs" / "tiny.toml").read_text())
+    for section, values in {"run": {"output_dir": str(tmp_path / "out")}, "data_plane": {"partition": PARTITION},
+                            "telemetry": {"metrics_port": 0}, "checkpointing": {"dir": str(root)}}.items():
+        data[section].update(values)
     config = tmp_path / "scd.toml"
-    config.write_text(toml_text({"run": {"output_dir": str(tmp_path / "out")}, "telemetry": {"metrics_port": 0},
-                                 "checkpointing": {"enabled": True, "dir": str(root)}}))
+    config.write_text(toml_text(data))
     out = subprocess.run([*SCD, "run", str(config), "--restore-from", str(bad)], cwd=REPO, capture_output=True,
                          text=True, timeout=300)
     assert out.returncode == 3, out.stderr[-3000:]
@@ -686,7 +692,7 @@ async def test_a_jsonl_task_edited_in_place_is_refused(tmp_path: Path, tq_sessio
     # Same number of rows, one answer changed: prompt ids would silently change meaning.
     rows[0] = orjson.dumps({"prompt": "0000=", "answer": "1111"})
     task.write_bytes(b"\n".join(rows))
-    with pytest.raises(InvariantViolation, match=r"step_00000003.*task\.content_sha256"):
+    with pytest.raises(InvariantViolation, match=r"(?s)step_00000003.*\n  task\.content_sha256: "):
         await restore_into_fresh_controller(config_for(root, task=jsonl))
 
     # Fewer rows, even with the override: the ledger names prompts the file no longer has.
