@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import BinaryIO
 
 import anyio
 import orjson
@@ -79,15 +81,33 @@ async def run_controller(controller: Controller, triggers: Triggers, args: argpa
 
 
 def eval_command(args: argparse.Namespace) -> int:
-    """Print the evaluation of one bundle as JSON (the ``eval`` event's numbers); exit 0."""
+    """Print the evaluation of one bundle as JSON (the ``eval`` event's numbers) on stdout, alone; exit 0."""
     from scd.evaluation import evaluate_bundle, summary
 
     config = load_config(args.config, args.overrides)
     resolve_rewards(config.task, args.config.resolve().parent)
-    event = anyio.run(evaluate_bundle, config, args.bundle, args.config.resolve().parent, backend="asyncio",
-                      backend_options={"use_uvloop": True})
-    print(orjson.dumps(summary(event), option=orjson.OPT_INDENT_2).decode())
+    with _stdout_for_the_result_alone() as result:
+        event = anyio.run(evaluate_bundle, config, args.bundle, args.config.resolve().parent, backend="asyncio",
+                          backend_options={"use_uvloop": True})
+        result.write(orjson.dumps(summary(event), option=orjson.OPT_INDENT_2 | orjson.OPT_APPEND_NEWLINE))
     return EXIT_OK
+
+
+@contextlib.contextmanager
+def _stdout_for_the_result_alone() -> Iterator[BinaryIO]:
+    """The real stdout, for the result; within the block file descriptor 1 is stderr's, so whatever else
+    writes to stdout goes to stderr: vLLM's logger (stdout by default), its engine processes (which
+    inherit the descriptor), any library's print."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    try:
+        with open(saved, "wb", closefd=False) as result:
+            yield result
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
 
 
 def checkpoint_command(args: argparse.Namespace) -> int:

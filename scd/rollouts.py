@@ -266,6 +266,7 @@ class Rollouts:
                 # awaits its commit, as it did at the cut.
                 done = self._finished[group_id].values()
                 self.gather(GroupResult(request, [], end_weight_version=max(c.weight_version for c in done)))
+        await self._state.count_generated_again([request.group_id for request in self._requeued])
         return len(self._requeued)
 
     async def take_requeued(self) -> list[GroupRequest]:

@@ -30,10 +30,11 @@ class Fate(enum.StrEnum):
     DROPPED_STALE = "dropped_stale"  # a ready group the staleness window dropped while the run went on
     EVICTED = "evicted"  # a restored ready group that was already outside the window when the run came back
     # An in-flight group generation gave back incomplete, sent again; or one a clean exit (a drain) left in
-    # flight, dispatched again by the restore.
+    # flight with siblings to generate, dispatched again by the restore.
     REDISPATCHED = "redispatched"
-    # In flight in the restored cut: what generation had done for it since died with the process
-    # (its staged siblings excepted); generated again.
+    # In flight in the restored cut with siblings to generate again: what generation had done for it since
+    # died with the process.  One whose every sibling the cut kept (staged, or finished in the cut) lost
+    # nothing and is not counted: it only awaits its commit.
     LOST_TO_CRASH = "lost_to_crash"
 
 

@@ -123,6 +123,9 @@ class ControllerState:
         self.fates = PromptFates(PromptBuckets.single(num_prompts))
         self.run = new_run_identity()
         self.evaluated_steps: list[int] = []  # held-out evals finished (scd.evaluation.EvalSchedule)
+        # What a prompt left in flight counts when generated again: no restore, or a clean exit's bundle, drained
+        # it (redispatched); a crash's bundle lost what was generated for it since (``install``).
+        self._restored_fate = Fate.REDISPATCHED
         self._run_clock = time.monotonic()  # when this process's share of the run's seconds began
         self._rows = rows
 
@@ -161,6 +164,14 @@ class ControllerState:
             pending = self.ledger.in_state(PromptState.IN_FLIGHT)
             self.in_flight = len(pending)
         return pending
+
+    async def count_generated_again(self, group_ids: Sequence[str]) -> None:
+        """The in-flight prompts of a restored cut (or of a drained run, run again) that generation runs for
+        again, each counted lost to the crash before the restore (or redispatched after a clean exit).  One
+        whose every sibling the cut kept is not: nothing of it was lost, it only awaits its commit."""
+        async with self.barrier.mutation(MutationKind.REDISPATCH):
+            for group_id in group_ids:
+                self.fates.count(self.ledger.entry(group_id).prompt_id, self._restored_fate)
 
     async def note_redispatch(self, group_id: str, reason: str) -> None:
         async with self.barrier.mutation(MutationKind.REDISPATCH):
@@ -318,8 +329,7 @@ class ControllerState:
                 self.ledger.retarget(group_id, target_step)
                 if group_id in self.replay:
                     self.replay.retarget(group_id, target_step)
-        # A clean exit's in-flight prompts were drained, not lost: they are dispatched again.
-        fate = Fate.LOST_TO_CRASH if restored.after_crash else Fate.REDISPATCHED
-        for group_id in self.ledger.in_state(PromptState.IN_FLIGHT):
-            self.fates.count(self.ledger.entry(group_id).prompt_id, fate)
+        # A clean exit's in-flight prompts were drained, not lost: they are dispatched again.  Counted once the
+        # restore knows which ones generation must run for again (``count_generated_again``).
+        self._restored_fate = Fate.LOST_TO_CRASH if restored.after_crash else Fate.REDISPATCHED
 

