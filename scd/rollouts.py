@@ -178,6 +178,11 @@ class Rollouts:
         # The scores of finished siblings of in-flight groups (in _finished or _awaiting), by group id and index.
         self._scores: dict[str, dict[int, Scored]] = {}
         self.scoring = ScoringStage(scorer, prompts, policy.decode, self._on_scored)
+        # Siblings handed to the scoring stage and not scored yet.  Once the run ends (``stop_scoring``) none is
+        # handed over: each stays owed its score in the last cut, so no reward is paid after that cut.
+        self._being_scored = 0
+        self._scoring_stopped = False
+        self._scored_now: anyio.Event | None = None  # set at each score while ``stop_scoring`` waits
         self._committed_tokens = 0
         self._wasted_tokens = 0
         self._capacity = _held_groups_limit(config, state.sampler)
@@ -373,7 +378,7 @@ class Rollouts:
         finished = self._finished.setdefault(request.group_id, {})
         finished[index] = completion
         self._prefixes.get(request.group_id, {}).pop(index, None)
-        self.scoring.submit(SiblingToScore(request.group_id, request.prompt_id, index, completion))
+        self._score(SiblingToScore(request.group_id, request.prompt_id, index, completion))
         if len(finished) < self._group_size and self._to_commit is not None:
             self._to_commit.send_nowait(SiblingFinished(request, index, completion))
 
@@ -390,7 +395,7 @@ class Rollouts:
             if completion.finish_reason in COMPLETE:
                 if index not in finished:  # not reported by on_sibling
                     finished[index] = completion
-                    self.scoring.submit(SiblingToScore(request.group_id, request.prompt_id, index, completion))
+                    self._score(SiblingToScore(request.group_id, request.prompt_id, index, completion))
                 prefixes.pop(index, None)
             else:
                 # A resumed sibling's prefix is not lost with it: the next request resumes from it again.
@@ -432,11 +437,32 @@ class Rollouts:
 
     async def scorer(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         """The scoring stage (``scd.scoring``), handed every sibling owed a score."""
-        await self.scoring.run(self.owed_scores(), task_status=task_status)
+        owed = self.owed_scores()
+        self._being_scored, self._scoring_stopped = len(owed), False
+        await self.scoring.run(owed, task_status=task_status)
+
+    def _score(self, sibling: SiblingToScore) -> None:
+        """A finished sibling to the scoring stage; once the run ends it stays owed its score instead."""
+        if not self._scoring_stopped:
+            self._being_scored += 1
+            self.scoring.submit(sibling)
+
+    async def stop_scoring(self) -> None:
+        """The run ends: siblings that finish from now on stay owed their score (the last cut holds them, the
+        next run scores them), and this waits until those handed to the scoring stage before are scored, so
+        the last cut holds every score the run paid for."""
+        self._scoring_stopped = True
+        while self._being_scored:
+            self._scored_now = anyio.Event()
+            await self._scored_now.wait()
+        self._scored_now = None
 
     def _on_scored(self, sibling: SiblingToScore, scored: Scored) -> None:
         """A sibling's score: kept with it while it is the group's, and the group goes to the committer once
         complete and scored whole.  Each sibling is scored once (enforced here)."""
+        self._being_scored -= 1
+        if self._scored_now is not None:
+            self._scored_now.set()
         group_id, index = sibling.group_id, sibling.index
         if self.finished_siblings(group_id).get(index) is not sibling.completion:
             return  # dropped out of the staleness window while it was scored
