@@ -7,7 +7,8 @@ lock).  Both run in the scorer's worker processes (``task.reward_workers``, "aut
 late the loop wakes.
 
 ``python -m bench.run reward_stage``: the scoring stage itself.  Its throughput through an HTTP reward on
-loopback that answers each request after 1 ms, at 16 requests in flight (``reward_http_groups_per_s``); and
+loopback that answers each request after 1 ms, at 16 requests in flight, fed one sibling at a time as a run
+hands them in as they finish (``reward_http_groups_per_s``, with the completions each request carried); and
 the loop's lateness while configs/tiny.toml trains with a CPU-heavy custom reward as its only reward, every
 completion scored by the stage (``reward_stage_loop_stall_p99_ms``).
 """
@@ -108,11 +109,13 @@ def heavy(prompt, completion, answer, row):
 
 
 @contextlib.asynccontextmanager
-async def _loopback_scorer() -> AsyncIterator[str]:
-    """A remote scorer on 127.0.0.1 answering each request after ``HTTP_DELAY_S``; yields its URL."""
+async def loopback_scorer(requests: list[int]) -> AsyncIterator[str]:
+    """A remote scorer on 127.0.0.1 answering each request after ``HTTP_DELAY_S``, each request's item count
+    appended to ``requests``; yields its URL."""
 
     async def score(request: web.Request) -> web.Response:
         items = orjson.loads(await request.read())["items"]
+        requests.append(len(items))
         await anyio.sleep(HTTP_DELAY_S)
         return web.Response(body=orjson.dumps({"rewards": [len(i["completion"]) / 10 for i in items]}),
                             content_type="application/json")
@@ -129,7 +132,8 @@ async def _loopback_scorer() -> AsyncIterator[str]:
 
 
 async def http_groups_per_s(tmp: Path) -> dict[str, float]:
-    """Groups of 8 scored per second by the stage through the loopback HTTP reward (16 requests in flight)."""
+    """Groups of 8 scored per second by the stage through the loopback HTTP reward (16 requests in flight),
+    each sibling handed in alone, the loop let run between two (as the generation pump hands them in)."""
     config = tiny(tmp / "http")
     policy = build_policy(config.model, config.run.seed)
     prompts = render_task(config, policy).prompts
@@ -146,7 +150,8 @@ async def http_groups_per_s(tmp: Path) -> dict[str, float]:
             if complete == HTTP_GROUPS:
                 done.set()
 
-    async with _loopback_scorer() as url:
+    requests: list[int] = []
+    async with loopback_scorer(requests) as url:
         task = parse_config({"task": {"rewards": [{"function": "http", "args": {"url": url, "max_concurrency": 16}}]}},
                             tmp).task
         async with contextlib.aclosing(load_rewards(task, tmp)) as scorer, anyio.create_task_group() as tg:
@@ -157,11 +162,13 @@ async def http_groups_per_s(tmp: Path) -> dict[str, float]:
             for g in range(HTTP_GROUPS):
                 for index in range(group_size):
                     stage.submit(SiblingToScore(f"g{g}", g % len(prompts), index, completion))
+                    await anyio.sleep(0)
             await done.wait()
             elapsed = time.monotonic() - started
             tg.cancel_scope.cancel()
     return {"reward_http_groups_per_s": HTTP_GROUPS / elapsed, "reward_http_siblings_per_s":
-            HTTP_GROUPS * group_size / elapsed}
+            HTTP_GROUPS * group_size / elapsed, "reward_http_requests": len(requests),
+            "reward_http_completions_per_request": sum(requests) / len(requests)}
 
 
 async def stage_loop_stall(tmp: Path, steps: int = 20) -> dict[str, float]:

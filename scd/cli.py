@@ -49,12 +49,14 @@ async def run_daemon(config: Config, args: argparse.Namespace) -> None:
     async with anyio.create_task_group() as tg:
         # Signals are handled from the first moment: a SIGTERM during a long restore still drains.
         await tg.start(handle_signals, triggers, name="signals")
-        # Served from before Ray starts: /readyz says 503 (and /healthz ok) until the controller is up.
+        # Served from before Ray starts: /readyz says 503 (and /healthz ok) until the controller is up, and
+        # again while a reward's service is down.
         listener = await open_listener(config.telemetry.metrics_host, config.telemetry.metrics_port)
         opened: list[Controller] = []
         async with anyio.create_task_group() as http:
             port = await http.start(serve_http, listener, lambda: opened[0].watch.health_problem() if opened else "",
-                                    lambda: bool(opened) and opened[0].ready, name="http")
+                                    lambda: bool(opened) and opened[0].ready,
+                                    lambda: opened[0].watch.outage() if opened else "", name="http")
             async with Controller.open(config, config_dir=Path(args.config).resolve().parent) as controller:
                 controller.metrics_port = port
                 opened.append(controller)

@@ -221,6 +221,10 @@ class TaskConfig(_Section):
     rewards: list[RewardConfig] = msgspec.field(default_factory=list)
     # Each reward call (an HTTP reward's attempt: its args.timeout_s when set) fails after this long.
     reward_timeout_s: float = 30.0
+    # An http reward whose service has not answered once since scd's first request to it is refused after this
+    # long (exit 2, naming its URL: a wrong URL or a service never started); 0 waits for ever.  Once it has
+    # answered, an outage is waited out however long it lasts.
+    reward_start_timeout_s: float = 120.0
     # A reward that raises, times out or returns no finite number: "stop" the run, or score it 0 and count it.
     reward_errors: Literal["stop", "zero"] = "stop"
     # Worker processes that run the sync rewards (the built-ins included), each started when calls need it;
@@ -457,7 +461,8 @@ def _flat_settings(fields: dict[str, Any], prefix: str = "") -> dict[str, object
 
 # Which column buckets prompts changes what telemetry counts, and how long a reward may take, what a
 # failed one scores or how many processes score is how the run copes, not what a stored rollout's reward means.
-_TASK_KEYS_NOT_FINGERPRINTED = frozenset({"bucket_field", "reward_timeout_s", "reward_errors", "reward_workers"})
+_TASK_KEYS_NOT_FINGERPRINTED = frozenset({"bucket_field", "reward_timeout_s", "reward_start_timeout_s", "reward_errors",
+                                          "reward_workers"})
 # What turns a dataset's rows into prompt tokens (scd.model.prompts).
 # Of those, the ones that mean nothing to a built-in task (raw text, no columns).
 _DATASET_ONLY_KEYS = ("prompt_field", "answer_field", "system_prompt", "chat_template")
@@ -847,6 +852,8 @@ def validate(config: Config) -> None:
              f"names a column of a dataset task; task.name = {task.name!r} has none (leave it empty to bucket by "
              "prompt length)")
     _require(task.reward_timeout_s > 0, "task.reward_timeout_s", f"must be > 0, got {task.reward_timeout_s}")
+    _require(task.reward_start_timeout_s >= 0, "task.reward_start_timeout_s",
+             f"must be >= 0 (0 waits for ever), got {task.reward_start_timeout_s}")
     _require(task.reward_workers == "auto" or task.reward_workers >= 1, "task.reward_workers",
              f'must be >= 1 or "auto", got {task.reward_workers}')
     for index, reward in enumerate(task.rewards):

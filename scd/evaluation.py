@@ -41,6 +41,7 @@ from scd.model.policy import Policy, build_policy
 from scd.model.prompts import RenderedPrompt, render_task
 from scd.records import Completion
 from scd.rewards import RewardInput, Scorer, load_rewards
+from scd.scoring import scores_when_available
 from scd.telemetry import metrics
 from scd.telemetry.events import Eval, EventLog, SampleRow
 
@@ -143,7 +144,7 @@ class Evaluation:
                               p.prompt.where)
                   for p, group in zip(self._prompts, texts, strict=True) for text in group]
         await faults.wait_at("during_eval")
-        scored = await self._scorer.score(inputs, observe=False)
+        scored = await scores_when_available(self._scorer, inputs, observe=False)  # an outage is waited out
         threshold = self._config.pass_threshold
         passed = [sum(s.total >= threshold for s in scored[i * samples:(i + 1) * samples])
                   for i in range(len(self._prompts))]

@@ -1,26 +1,27 @@
 """The scoring stage: between generation and commit, every finished sibling is scored once.
 
 A sibling is handed in as it finishes (``submit``), beside its staging, so an expensive reward (an LLM judge,
-a sandbox) runs while the rest of its group still generates.  The stage batches what is queued (the
-scorer's rewards batch again, an HTTP one per request), decodes the completions off the loop, and reports
+a sandbox) runs while the rest of its group still generates.  The stage batches across arrivals (what is
+queued, and what arrives within ``SCORE_LINGER_S`` of a batch's first sibling; the scorer's rewards batch
+again, an HTTP one per request), decodes the completions off the loop, and reports
 each ``Scored`` back through ``on_scored``; ``scd.rollouts`` keeps the score with its sibling, in memory and in
 a checkpoint's cut, and commits a group once every sibling is scored.  So no sibling is scored twice, not
 even across a restore, and a restore never regenerates one whose score was still owed.
 
-When an HTTP reward's service is down (``RewardUnavailable``) the batch waits and is asked again, with a
-backoff, for as long as it takes: finished siblings wait (staged) with their tokens, admission stops at the
-staleness window (groups awaiting their scores hold their place in flight), ``/healthz`` says why, and
-nothing is regenerated.  A reward that fails on a completion (``RewardError``) ends the run, unless
-``task.reward_errors = "zero"``.
+When a reward's service is down (``RewardUnavailable``: an HTTP reward's, or a Python reward's own) the
+batch waits and is asked again, with a backoff, for as long as it takes (``scores_when_available``, which an
+eval waits through too), each time only for what did not answer, so every other reward is paid once per
+sibling: finished siblings wait (staged) with their tokens, admission stops at the staleness window (groups
+awaiting their scores hold their place in flight), ``/readyz`` says why (``/healthz`` stays ok: the process is
+alive, waiting), and nothing is regenerated.  A reward that fails on a completion (``RewardError``) ends the
+run, unless ``task.reward_errors = "zero"``.
 
 The stage never reaches up: it knows the scorer, the prompts and how to decode, nothing of the rollouts.
 """
 
 from __future__ import annotations
 
-import logging
 import math
-import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
@@ -30,13 +31,14 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 
 from scd.model.prompts import RenderedPrompt
 from scd.records import Completion
-from scd.rewards import RewardInput, RewardUnavailable, Scored, Scorer
+from scd.rewards import Answers, RewardInput, RewardUnavailable, Scored, Scorer
 from scd.telemetry import metrics
-
-log = logging.getLogger(__name__)
 
 SCORE_BATCH_MAX = 256  # siblings handed to the scorer at once
 SCORE_BATCHES_IN_FLIGHT = 16  # batches scored at once (an HTTP reward keeps its own request limit)
+# How long a batch waits after its first sibling for the next ones to join it: milliseconds against a group's
+# seconds of generation, and an HTTP reward fed one sibling at a time sends full requests, not one per sibling.
+SCORE_LINGER_S = 0.01
 # After an outage's first refused batch: the wait before it is asked again, doubled up to the longest.
 UNAVAILABLE_RETRY_FIRST_S = 1.0
 UNAVAILABLE_RETRY_LONGEST_S = 30.0
@@ -70,8 +72,6 @@ class ScoringStage:
         self._queued = 0
         self._scoring = 0
         self._scored = 0
-        self._unavailable = ""
-        self._unavailable_since = 0.0
 
     def submit(self, sibling: SiblingToScore) -> None:
         """Queue a finished sibling to be scored.  While the stage does not run (between runs) it is not
@@ -80,14 +80,10 @@ class ScoringStage:
             self._queued += 1
             self._to_score.send_nowait(sibling)
 
-    def unavailable(self) -> str:
-        """Why a reward's service does not answer now ("" when it does): what ``/healthz`` reports."""
-        return self._unavailable
-
     def statistics(self) -> ScoringStatistics:
-        return ScoringStatistics(
-            scored=self._scored, queued=self._queued, scoring=self._scoring, unavailable=self._unavailable,
-            unavailable_s=time.monotonic() - self._unavailable_since if self._unavailable else 0.0)
+        outage = self._scorer.outage()
+        return ScoringStatistics(scored=self._scored, queued=self._queued, scoring=self._scoring,
+                                 unavailable=outage.why, unavailable_s=outage.seconds)
 
     async def run(self, owed: Iterable[SiblingToScore], *,
                   task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
@@ -103,9 +99,11 @@ class ScoringStage:
             async with anyio.create_task_group() as tg:
                 task_status.started()
                 while True:
+                    # A free slot first, then the batch: while every slot is busy, siblings arriving queue up
+                    # and go together in the next batch.
+                    await slots.acquire()
                     batch = await _next_batch(queue)
                     self._queued -= len(batch)
-                    await slots.acquire()
                     tg.start_soon(self._score_batch, batch, slots, name="score_batch")
         finally:
             self._to_score = None
@@ -118,7 +116,7 @@ class ScoringStage:
         try:
             texts = await anyio.to_thread.run_sync(self._decoded, batch)
             inputs = [self._input(sibling, text) for sibling, text in zip(batch, texts, strict=True)]
-            scores = await self._until_available(inputs)
+            scores = await scores_when_available(self._scorer, inputs)
         finally:
             self._scoring -= len(batch)
             slots.release()
@@ -134,42 +132,39 @@ class ScoringStage:
         prompt = self._prompts[sibling.prompt_id].prompt
         return RewardInput(sibling.prompt_id, prompt.prompt, completion, prompt.answer, prompt.row, prompt.where)
 
-    async def _until_available(self, inputs: list[RewardInput]) -> list[Scored]:
-        """The batch's scores, asked again while a reward's service does not answer: the one place an outage
-        is waited out (nothing is dropped or regenerated meanwhile)."""
-        wait_s = UNAVAILABLE_RETRY_FIRST_S
-        while True:
-            try:
-                scores = await self._scorer.score(inputs)
-            except RewardUnavailable as exc:
-                self._outage(str(exc))
-                await anyio.sleep(wait_s)
-                wait_s = min(2 * wait_s, UNAVAILABLE_RETRY_LONGEST_S)
-                continue
-            self._answered()
-            return scores
 
-    def _outage(self, why: str) -> None:
-        if not self._unavailable:
-            self._unavailable_since = time.monotonic()
-            log.warning("scoring waits: %s; finished siblings wait, staged, until it answers", why)
-        self._unavailable = why
-        metrics.reward_unavailable.set(1)
-
-    def _answered(self) -> None:
-        if self._unavailable:
-            log.warning("scoring resumes: the reward service answers again after %.0f s",
-                        time.monotonic() - self._unavailable_since)
-            self._unavailable = ""
-            metrics.reward_unavailable.set(0)
+async def scores_when_available(scorer: Scorer, inputs: Sequence[RewardInput], *, observe: bool = True) -> list[Scored]:
+    """``inputs``' scores, asked again with a backoff while a reward's service does not answer: the one place
+    an outage is waited out (the stage's batches and an eval's), nothing dropped or regenerated meanwhile.
+    Each retry hands back what answered, so it asks only what did not: no reward is paid twice for an input."""
+    wait_s = UNAVAILABLE_RETRY_FIRST_S
+    answers: Answers | None = None
+    while True:
+        try:
+            if answers is None:  # the first ask: the scorer starts from nothing answered
+                return await scorer.score(inputs, observe=observe)
+            return await scorer.score(inputs, observe=observe, answers=answers)
+        except RewardUnavailable as exc:
+            answers = exc.answers
+            await anyio.sleep(wait_s)
+            wait_s = min(2 * wait_s, UNAVAILABLE_RETRY_LONGEST_S)
 
 
 async def _next_batch(queue: MemoryObjectReceiveStream[SiblingToScore]) -> list[SiblingToScore]:
-    """The next sibling queued, waiting for it, and every one queued behind it, up to ``SCORE_BATCH_MAX``."""
+    """The next sibling queued, waiting for it, and every one queued behind it or arriving within
+    ``SCORE_LINGER_S`` after it, up to ``SCORE_BATCH_MAX``: siblings arrive one at a time as they finish, and
+    one request for many is what lets an HTTP reward keep up."""
     batch = [await queue.receive()]
+    _take_queued(queue, batch)
+    if len(batch) < SCORE_BATCH_MAX:
+        await anyio.sleep(SCORE_LINGER_S)  # a sleep, not a receive with a deadline: a cancelled receive loses its item
+        _take_queued(queue, batch)
+    return batch
+
+
+def _take_queued(queue: MemoryObjectReceiveStream[SiblingToScore], batch: list[SiblingToScore]) -> None:
     while len(batch) < SCORE_BATCH_MAX:
         try:
             batch.append(queue.receive_nowait())
         except anyio.WouldBlock:
-            break
-    return batch
+            return

@@ -1,4 +1,4 @@
-"""Watching the running controller: /healthz's answer, the gauges, the step rates, stalls and the loop.
+"""Watching the running controller: /healthz's and /readyz's answers, the gauges, the step rates, stalls and the loop.
 
 ``Watch`` holds what observation keeps between train steps (the last step's mark, recent step times,
 the worst recent loop probe, why training looks stalled) and runs the observers the controller starts
@@ -74,11 +74,16 @@ class Watch:
                     f"data_plane.call_timeout_s = {self.config.data_plane.call_timeout_s}s")
         if self.checkpointer is not None and self.checkpointer.consecutive_failures:
             return f"checkpointing failed {self.checkpointer.consecutive_failures} time(s) in a row"
-        scoring = self.scoring.statistics()
-        if scoring.unavailable:
-            return (f"scoring has waited {scoring.unavailable_s:.0f}s for a reward ({scoring.scoring} siblings "
-                    f"waiting): {scoring.unavailable}")
         return self._stalled
+
+    def outage(self) -> str:
+        """What the healthy process waits for, or "" when nothing: a reward's service that does not answer
+        (what /readyz reports; /healthz stays ok, for a restart would only wait again, its work lost)."""
+        scoring = self.scoring.statistics()
+        if not scoring.unavailable:
+            return ""
+        return (f"scoring has waited {scoring.unavailable_s:.0f}s for a reward ({scoring.scoring} siblings "
+                f"waiting): {scoring.unavailable}")
 
     def publish_gauges(self) -> None:
         state = self.state

@@ -27,6 +27,7 @@ from scd.model.prompts import render_task
 from scd.rewards import RewardInput, load_rewards
 from scd.schema import Sidecar, decode
 from tests.conftest import REPO, ScdProcess, free_port, tiny_config, write_config
+from tests.support.reward_server import RewardService
 from tests.support.waiting import wait_until
 
 # More prompts than the runs here admit: a row is one prompt of epoch 0, its group id e0-p<id>.
@@ -176,32 +177,6 @@ def test_a_failing_reward_stops_the_run_with_exit_1_naming_it_and_the_last_bundl
 OUTAGE_S = 30.0
 
 
-class RewardService:
-    """tests.support.reward_server as its own process on a fixed loopback port: down and up again at will."""
-
-    def __init__(self, port: int, log: Path) -> None:
-        self.port, self.log = port, log
-        self.process: subprocess.Popen[bytes] | None = None
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}/score"
-
-    def start(self) -> None:
-        self.process = subprocess.Popen([sys.executable, "-m", "tests.support.reward_server", str(self.port),
-                                         str(self.log)], cwd=REPO, stdout=subprocess.PIPE)
-        assert self.process.stdout is not None and self.process.stdout.readline() == b"serving\n"
-
-    def stop(self) -> None:
-        if self.process is not None:
-            self.process.kill()
-            self.process.wait(timeout=30)
-            self.process = None
-
-    def items(self) -> list[dict[str, Any]]:
-        return [orjson.loads(line) for line in self.log.read_bytes().splitlines()] if self.log.exists() else []
-
-
 @pytest.fixture
 def reward_service(tmp_path: Path) -> Any:
     service = RewardService(free_port(), tmp_path / "scored-before.jsonl")
@@ -241,8 +216,10 @@ def test_a_reward_outage_then_a_sigkill_loses_no_prompt_and_rescores_or_regenera
 
     reward_service.stop()
     down_at = time.monotonic()
-    wait_until(lambda: fetch(port, "/healthz")[0] == 503 and "scoring has waited" in fetch(port, "/healthz")[1],
-               OUTAGE_S - 10, "/healthz names the reward outage")
+    wait_until(lambda: fetch(port, "/readyz")[0] == 503 and "scoring has waited" in fetch(port, "/readyz")[1],
+               OUTAGE_S - 10, "/readyz names the reward outage")
+    # Alive, waiting: a liveness probe must not restart it.
+    assert fetch(port, "/healthz") == (200, "ok\n")
     assert metric(port, "scd_reward_unavailable") == 1
     # Generation goes on to the window's end, its siblings waiting for their scores; then a checkpoint.
     time.sleep(5)

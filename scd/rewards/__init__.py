@@ -21,9 +21,15 @@ returns anything but a finite number (or a dict of them with a ``"score"``) fail
 failure is counted (``"zero"``).
 
 An HTTP reward whose service cannot be reached, answers 429 or 5xx, or does not answer in time, after its
-retries, is no failure of the completion: ``score`` raises ``RewardUnavailable`` whatever
-``task.reward_errors`` says, and the caller (``scd.scoring``) waits for the service and asks again.  Scoring
-an outage 0 would train the policy on noise for as long as it lasts.
+retries, is no failure of the completion, and neither is a Python reward that raises ``RewardUnavailable``
+("my service is down, ask again later"; async or sync alike, the exception crosses from a worker process
+as its cause): ``score`` raises ``RewardUnavailable`` whatever ``task.reward_errors`` says, carrying every
+answer the other rewards (and the HTTP sub-batches that were answered) gave, and the caller
+(``scd.scoring.scores_when_available``) waits for the service and asks again, handing those answers back,
+so only what did not answer is asked again: no reward is paid twice for a completion.  Scoring an outage
+0 would train the policy on noise for as long as it lasts.  An HTTP reward whose service has never answered
+since scd started is refused (``ConfigError``, exit 2, naming its URL) once ``task.reward_start_timeout_s``
+has passed since its first request: a wrong URL fails the run instead of waiting for ever.
 """
 
 from __future__ import annotations
@@ -60,8 +66,8 @@ from scd.rewards.functions import (
 from scd.rewards.pool import PoolCall, PoolStatistics, WorkerPool
 from scd.telemetry import metrics
 
-__all__ = ["RewardInput", "RewardUnavailable", "Scored", "Scorer", "ScorerStatistics", "load_rewards", "match_score",
-           "resolve_rewards"]
+__all__ = ["Answers", "Outage", "RewardInput", "RewardUnavailable", "Scored", "Scorer", "ScorerStatistics",
+           "load_rewards", "match_score", "resolve_rewards"]
 
 log = logging.getLogger(__name__)
 
@@ -90,14 +96,39 @@ class Scored:
     components: dict[str, float]
 
 
-class RewardUnavailable(Exception):
-    """An HTTP reward's service did not answer a batch, retries spent: the batch is not scored, and no
-    completion of it is at fault.  ``reward`` names the reward, ``detail`` says what the last attempt met."""
+@dataclass(slots=True)
+class Answers:
+    """What each reward answered on each completion of one ``score`` call so far: ``outcomes[reward][item]``,
+    None where it has not answered yet."""
 
-    def __init__(self, reward: str, detail: str) -> None:
-        super().__init__(f"reward {reward!r} is unavailable: {detail}")
+    outcomes: list[list[Outcome | None]]
+
+    def missing(self, reward: int) -> list[int]:
+        """The completions ``reward`` has not answered on yet."""
+        return [item for item, outcome in enumerate(self.outcomes[reward]) if outcome is None]
+
+
+class RewardUnavailable(Exception):
+    """A reward's service did not answer (an HTTP reward's retries spent, or a Python reward raised this):
+    the completions are not scored, and none of them is at fault.
+
+    A Python reward raises it as ``RewardUnavailable("the judge at ... does not answer")``: scd waits and
+    asks again later.  ``score`` raises it naming the ``reward``, with the ``answers`` it got meanwhile,
+    which the next ``score`` of the same completions is handed back."""
+
+    def __init__(self, detail: str, *, reward: str = "", answers: Answers | None = None) -> None:
+        super().__init__(f"reward {reward!r} is unavailable: {detail}" if reward else detail)
         self.reward = reward
         self.detail = detail
+        self.answers = answers
+
+
+@dataclass(frozen=True, slots=True)
+class Outage:
+    """Which rewards' services do not answer now, and since when."""
+
+    why: str  # each unavailable reward and what its last call met; "" when every reward answers
+    seconds: float  # how long the oldest of them has not answered (0 without one)
 
 
 @dataclass(frozen=True, slots=True)
@@ -200,6 +231,8 @@ class _AsyncReward:
             with anyio.fail_after(context.timeout_s):
                 try:
                     value = await self.call(item.prompt, item.completion, item.answer, item.row)
+                except RewardUnavailable as exc:  # the reward's own service is down: ask again later
+                    return Failure("unavailable", exc.detail)
                 except Exception as exc:
                     return Failure("exception", f"raised {type(exc).__name__}: {exc}")
         except TimeoutError:
@@ -225,13 +258,29 @@ _HTTP_JSON = {"Content-Type": "application/json"}
 class _HttpReward:
     """A remote scorer: POST ``{"items": [...]}``, answered ``{"rewards": [...]}``, one entry per item."""
 
-    def __init__(self, name: str, weight: float, args: _HttpArgs, timeout_s: float) -> None:
+    def __init__(self, key: str, name: str, weight: float, args: _HttpArgs, timeout_s: float) -> None:
+        self.key = key  # its table, task.rewards[i]: what a refusal names
         self.name = name
         self.function = HTTP_REWARD
         self.weight = weight
         self._args = args
         self._timeout_s = args.timeout_s or timeout_s
         self._limiter = anyio.CapacityLimiter(args.max_concurrency)
+        self._first_request_at: float | None = None  # time.monotonic() of this process's first request
+        self._answered = False  # whether the service ever answered this process (2xx)
+
+    def never_answered_refusal(self, start_timeout_s: float, detail: str) -> ConfigError | None:
+        """The refusal of a service that has not answered once in ``start_timeout_s`` since the first request
+        (a wrong URL, or a service never started), or None while it may still come up or once it answered."""
+        if self._answered or self._first_request_at is None or not start_timeout_s:
+            return None
+        waited_s = time.monotonic() - self._first_request_at
+        if waited_s < start_timeout_s:
+            return None
+        return ConfigError(f"{self.key}.args.url", (
+            f"reward {self.name!r}: {self._args.url} has not answered once in the {waited_s:.0f} s since scd first "
+            f"asked it (task.reward_start_timeout_s = {start_timeout_s:g}); last: {detail}. Is the URL right and "
+            "the service up? (A service that answered once is waited for as long as an outage lasts.)"))
 
     async def evaluate(self, items: Sequence[RewardInput], context: _Context) -> list[Outcome]:
         size = self._args.batch_size
@@ -258,6 +307,8 @@ class _HttpReward:
                 await anyio.sleep(max(backoff_s, retry_after_s))
                 retry_after_s = 0.0
             context.counts.calls += 1
+            if self._first_request_at is None:
+                self._first_request_at = time.monotonic()
             try:
                 async with self._limiter:
                     with anyio.fail_after(self._timeout_s):
@@ -276,6 +327,7 @@ class _HttpReward:
                 continue
             if not 200 <= status < 300:  # the server refuses this request: it would refuse it again
                 return Failure("http", f"{url} answered HTTP {status}: {content[:200]!r}")
+            self._answered = True
             return _rewards_of(content, len(items), url)
         return Failure(failure.cause, f"{failure.detail} ({retries} retries spent)")
 
@@ -324,26 +376,54 @@ class Scorer:
     """Judges completions with the configured rewards; ``aclose`` when done (it may hold worker processes and
     HTTP connections)."""
 
-    def __init__(self, resolved: ResolvedRewards, *, timeout_s: float, zero_errors: bool, workers: int) -> None:
+    def __init__(self, resolved: ResolvedRewards, *, timeout_s: float, zero_errors: bool, workers: int,
+                 start_timeout_s: float = 0.0) -> None:
         self._rewards = resolved.rewards
         self._zero_errors = zero_errors
+        self._start_timeout_s = start_timeout_s  # 0: a service that never answered is waited for as long as any
+        self._outages: dict[str, tuple[str, float]] = {}  # reward name -> (what its last call met, since when)
         self._counts = _Counts()
         # The pool starts its workers on its first call: a scorer is made before there is an event loop.
         self._context = _Context(timeout_s=timeout_s, counts=self._counts,
                                  pool=WorkerPool(resolved.pooled, resolved.base_dir, workers))
         self._logged_causes: set[tuple[str, str]] = set()
 
-    async def score(self, inputs: Sequence[RewardInput], *, observe: bool = True) -> list[Scored]:
+    async def score(self, inputs: Sequence[RewardInput], *, observe: bool = True,
+                    answers: Answers | None = None) -> list[Scored]:
         """Every completion's reward, in the order given; ``observe``: into the reward histogram (training's,
-        not an eval's).  Raises ``RewardError`` for a failed call unless
-        ``task.reward_errors = "zero"``, and ``RewardUnavailable`` when an HTTP reward's service did not answer."""
+        not an eval's).  Raises ``RewardError`` for a failed call unless ``task.reward_errors = "zero"``, and
+        ``RewardUnavailable`` when a reward's service did not answer, with the ``answers`` got so far: handed
+        back (the same ``inputs``), only what did not answer is asked again.  Raises ``ConfigError`` for an HTTP
+        reward whose service never answered within ``task.reward_start_timeout_s``."""
         items = list(inputs)
-        outcomes = await _gather([partial(reward.evaluate, items, self._context) for reward in self._rewards])
+        if answers is None:
+            answers = Answers([[None] * len(items) for _ in self._rewards])
+        asked = [answers.missing(index) for index in range(len(self._rewards))]
+        replies = await _gather([partial(reward.evaluate, [items[i] for i in indices], self._context)
+                                 for reward, indices in zip(self._rewards, asked, strict=True)])
+        unavailable: list[tuple[_Reward, Failure]] = []
+        for reward, kept, indices, outcomes in zip(self._rewards, answers.outcomes, asked, replies, strict=True):
+            down = [outcome for outcome in outcomes if isinstance(outcome, Failure) and outcome.cause == "unavailable"]
+            for index, outcome in zip(indices, outcomes, strict=True):
+                if not (isinstance(outcome, Failure) and outcome.cause == "unavailable"):
+                    kept[index] = outcome
+            if down:
+                unavailable.append((reward, down[0]))
+                self._down(reward.name, down[0].detail)
+            elif indices:
+                self._up(reward.name)
+        for reward, failure in unavailable:
+            refusal = (reward.never_answered_refusal(self._start_timeout_s, failure.detail)
+                       if isinstance(reward, _HttpReward) else None)
+            if refusal is not None:
+                raise refusal
+        if unavailable:
+            reward, failure = unavailable[0]
+            raise RewardUnavailable(failure.detail, reward=reward.name, answers=answers)
+        # Every reward has answered on every input by now.
+        outcomes = [[outcome for outcome in kept if outcome is not None] for kept in answers.outcomes]
         failures = [(reward, item, outcome) for reward, by_item in zip(self._rewards, outcomes, strict=True)
                     for item, outcome in zip(items, by_item, strict=True) if isinstance(outcome, Failure)]
-        for reward, _, failure in failures:
-            if failure.cause == "unavailable":
-                raise RewardUnavailable(reward.name, failure.detail)
         self._counts.errors += len(failures)
         for reward, item, failure in failures:
             metrics.reward_errors.labels(name=reward.name, cause=failure.cause).inc()
@@ -382,6 +462,27 @@ class Scorer:
     def statistics(self) -> ScorerStatistics:
         return ScorerStatistics(**dataclasses.asdict(self._counts), pool=self._context.pool.statistics())
 
+    def outage(self) -> Outage:
+        """The rewards whose service did not answer their last call (the stage's and an eval's alike)."""
+        if not self._outages:
+            return Outage("", 0.0)
+        why = "; ".join(f"reward {name!r}: {detail}" for name, (detail, _) in self._outages.items())
+        return Outage(why, time.monotonic() - min(since for _, since in self._outages.values()))
+
+    def _down(self, reward: str, detail: str) -> None:
+        since = self._outages[reward][1] if reward in self._outages else time.monotonic()
+        if reward not in self._outages:
+            log.warning("reward %r is unavailable: %s; the completions it owes wait and are asked again", reward,
+                        detail)
+        self._outages[reward] = (detail, since)
+        metrics.reward_unavailable.set(1)
+
+    def _up(self, reward: str) -> None:
+        if reward in self._outages:
+            _, since = self._outages.pop(reward)
+            log.warning("reward %r answers again after %.0f s", reward, time.monotonic() - since)
+            metrics.reward_unavailable.set(1 if self._outages else 0)
+
     async def aclose(self) -> None:
         await self._context.pool.aclose()
         if self._context.http is not None:
@@ -405,7 +506,7 @@ def resolve_rewards(config: TaskConfig, base_dir: Path) -> ResolvedRewards:
     for index, reward in enumerate(configured):
         key = f"task.rewards[{index}]"
         if reward.function == HTTP_REWARD:
-            rewards.append(_HttpReward(reward.name or HTTP_REWARD, reward.weight, _http_args(reward.args, key),
+            rewards.append(_HttpReward(key, reward.name or HTTP_REWARD, reward.weight, _http_args(reward.args, key),
                                        config.reward_timeout_s))
             continue
         loaded = load_function(reward, key, base_dir)
@@ -429,7 +530,8 @@ def resolve_rewards(config: TaskConfig, base_dir: Path) -> ResolvedRewards:
 def load_rewards(config: TaskConfig, base_dir: Path) -> Scorer:
     """The scorer for ``config.rewards``, resolved as ``resolve_rewards`` does."""
     return Scorer(resolve_rewards(config, base_dir), timeout_s=config.reward_timeout_s,
-                  zero_errors=config.reward_errors == "zero", workers=config.reward_worker_count())
+                  zero_errors=config.reward_errors == "zero", workers=config.reward_worker_count(),
+                  start_timeout_s=config.reward_start_timeout_s)
 
 
 def _http_args(args: dict[str, object], key: str) -> _HttpArgs:

@@ -7,7 +7,8 @@ It shares nothing with scd but two pipes, speaking JSON lines:
   line, ``{"reward": index, "prompt", "completion", "answer", "row"}``.
 - stdout, as it was at start (fd 1 is then pointed at stderr, so a reward's prints cannot corrupt it):
   ``{"ready": true}`` once every reward is loaded (and warmed up), or ``{"error"}`` and exit 1; then one line per call,
-  ``{"value"}`` (a finite number, or a dict of them with a ``"score"``) or ``{"cause", "detail"}``.
+  ``{"value"}`` (a finite number, or a dict of them with a ``"score"``) or ``{"cause", "detail"}`` (a reward
+  that raised ``scd.rewards.RewardUnavailable``: cause ``"unavailable"``, asked again later).
 
 At EOF on stdin it exits.  It dies with the process that started it however that one dies
 (``PR_SET_PDEATHSIG``), and scd kills it when a call runs past its deadline.
@@ -27,6 +28,7 @@ import orjson
 
 from scd.config import RewardConfig
 from scd.errors import ConfigError
+from scd.rewards import RewardUnavailable
 from scd.rewards.functions import Failure, RewardFunction, checked, load_function
 
 _PR_SET_PDEATHSIG = 1
@@ -49,6 +51,8 @@ def die_with(owner: int) -> None:
 def _outcome(function: RewardFunction, call: dict[str, Any]) -> dict[str, object]:
     try:
         value = function(call["prompt"], call["completion"], call["answer"], call["row"])
+    except RewardUnavailable as exc:  # the reward's own service is down: scd asks again later
+        return {"cause": "unavailable", "detail": exc.detail}
     except Exception as exc:
         return {"cause": "exception", "detail": f"raised {type(exc).__name__}: {exc}"}
     outcome = checked(value)

@@ -1,7 +1,8 @@
 """A minimal HTTP/1.1 server for /metrics, /healthz and /readyz, served inside the event loop.
 
-``/healthz`` answers 200 ``ok`` or 503 with the reason the process is unhealthy;
-``/readyz`` answers 200 once the controller serves (restore done, pumps running).
+``/healthz`` answers 200 ``ok`` or 503 with the reason the process is unhealthy (a liveness probe: a restart
+would help); ``/readyz`` answers 200 once the controller serves (restore done, pumps running), and 503 with
+the reason while it waits on something outside it (a reward's service down: a restart would not help).
 """
 
 from __future__ import annotations
@@ -38,11 +39,16 @@ async def open_listener(host: str, port: int) -> SocketListener:
                           "another program using it? Pick another port, or 0 for any free one") from None
 
 
+def _waiting_on_nothing() -> str:
+    return ""
+
+
 async def serve_http(
-    listener: SocketListener, health_problem: Callable[[], str], ready: Callable[[], bool], *,
-    task_status: TaskStatus[int] = anyio.TASK_STATUS_IGNORED,
+    listener: SocketListener, health_problem: Callable[[], str], ready: Callable[[], bool],
+    outage: Callable[[], str] = _waiting_on_nothing, *, task_status: TaskStatus[int] = anyio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Serve on ``listener`` until cancelled; reports its port through ``task_status``."""
+    """Serve on ``listener`` until cancelled; reports its port through ``task_status``.  ``outage``: what the
+    serving controller waits for outside it ("" when nothing), which /readyz answers 503 with."""
     host, bound = listener.extra(anyio.abc.SocketAttribute.local_address)[:2]
     log.info("metrics on http://%s:%d/metrics", host, bound)
     task_status.started(bound)
@@ -65,8 +71,10 @@ async def serve_http(
                                                 f"unhealthy: {problem}\n".encode()) if problem
                                       else _response("200 OK", "text/plain", b"ok\n"))
                 elif path == "/readyz":
-                    await stream.send(_response("200 OK", "text/plain", b"ready\n") if ready()
-                                      else _response("503 Service Unavailable", "text/plain", b"not ready\n"))
+                    waiting = outage() if ready() else "not serving"
+                    await stream.send(_response("503 Service Unavailable", "text/plain",
+                                                f"not ready: {waiting}\n".encode()) if waiting
+                                      else _response("200 OK", "text/plain", b"ready\n"))
                 else:
                     await stream.send(_response("404 Not Found", "text/plain", b"not found\n"))
             except (anyio.EndOfStream, anyio.BrokenResourceError, TimeoutError, OSError):

@@ -1,5 +1,5 @@
 """A remote reward service on loopback, as its own process, so a test can take it down and bring it back:
-``python -m tests.support.reward_server PORT LOG``.
+``python -m tests.support.reward_server PORT LOG`` (``RewardService`` starts and stops it).
 
 Each item scores ``len(completion) / 10``; every item it answered is appended to LOG as a JSON line
 (its row and completion), so a test can count what was scored, and how often.
@@ -7,14 +7,17 @@ Each item scores ``len(completion) / 10``; every item it answered is appended to
 
 from __future__ import annotations
 
+import subprocess
 import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import Any
 
 import orjson
 
 _written = threading.Lock()
+_REPO = Path(__file__).resolve().parents[2]
 
 
 def serve(port: int, log: Path) -> None:
@@ -37,6 +40,34 @@ def serve(port: int, log: Path) -> None:
     with ThreadingHTTPServer(("127.0.0.1", port), Score) as server:
         print("serving", flush=True)
         server.serve_forever()
+
+
+class RewardService:
+    """This module's server as its own process on a fixed loopback port: down and up again at will (while it
+    is down nothing listens there: a connection is refused)."""
+
+    def __init__(self, port: int, log: Path) -> None:
+        self.port, self.log = port, log
+        self.process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/score"
+
+    def start(self) -> None:
+        self.process = subprocess.Popen([sys.executable, "-m", "tests.support.reward_server", str(self.port),
+                                         str(self.log)], cwd=_REPO, stdout=subprocess.PIPE)
+        assert self.process.stdout is not None and self.process.stdout.readline() == b"serving\n"
+
+    def stop(self) -> None:
+        if self.process is not None:
+            self.process.kill()
+            self.process.wait(timeout=30)
+            self.process = None
+
+    def items(self) -> list[dict[str, Any]]:
+        """Every item it answered, in order, across its starts (while ``log`` stays the same)."""
+        return [orjson.loads(line) for line in self.log.read_bytes().splitlines()] if self.log.exists() else []
 
 
 if __name__ == "__main__":
