@@ -273,7 +273,7 @@ class Controller:
     async def evaluate_if_due(self, last_step: int) -> None:
         """This boundary's held-out evaluation if one is due; a checkpoint falls due after it, which records it."""
         evaluated = self.evaluation is not None and await self.evaluation.at_boundary(
-            self.state, last_step, self.goodput, self.events)
+            self.state, last_step, self.goodput, self.events, checkpointed=self.checkpointer is not None)
         if evaluated and self.checkpointer is not None:
             self._checkpoint_due = self._checkpoint_due or Trigger.EVAL
 

@@ -9,7 +9,9 @@ books its seconds and tokens on a row of their own (``scd_eval_seconds_total``, 
 
 Each eval step is evaluated once (``EvalSchedule``): the steps done are part of the controller state, so of
 every bundle, and a checkpoint falls due after each eval, so a crash after one restores a bundle that
-records it.  An eval cut short (a crash, a drain's deadline) runs again at its step after the restore.
+records it.  An eval cut short (a crash, a drain's deadline) runs again at its step after the restore.  Each
+is reported once (``scd.telemetry.eval_reports``): its result is held in the state until the bundle of the
+next cut holds it too, and reported once that bundle is committed.
 
 ``scd eval BUNDLE --config CONFIG`` runs the same evaluation offline on a bundle's weights.
 """
@@ -43,6 +45,7 @@ from scd.records import Completion
 from scd.rewards import RewardInput, Scorer, load_rewards
 from scd.scoring import scores_when_available
 from scd.telemetry import metrics
+from scd.telemetry.eval_reports import held_record, report_evals
 from scd.telemetry.events import Eval, EventLog, SampleRow
 
 if TYPE_CHECKING:
@@ -115,20 +118,27 @@ class Evaluation:
             metrics.eval_pass_at_k.labels(str(k))
 
     async def at_boundary(self, state: ControllerState, last_step: int, goodput: GoodputMeter,
-                          events: EventLog) -> bool:
-        """The train pump's step boundary: evaluate it if due, book it, record it; True when it did."""
+                          events: EventLog, *, checkpointed: bool) -> bool:
+        """The train pump's step boundary: evaluate it if due, book it, record it; True when it did.
+
+        With ``checkpointed`` the result is held for the next cut and reported once its bundle is committed;
+        without, nothing is ever restored and it is reported at once.
+        """
         if not self.schedule.due(state.trainer_step, last_step, state.evaluated_steps):
             return False
         event = await self.run(state.trainer_step, state.weight_version, goodput.evaluating)
         goodput.on_eval(event.tokens)
-        state.note_evaluated(event.step)
-        await events.emit(event)
+        if checkpointed:
+            state.hold_eval(held_record(event))
+        else:
+            state.note_evaluated(event.step)
+            await report_evals([held_record(event)], events)
         return True
 
     async def run(self, step: int, weight_version: int,
                   generating: Callable[[], AbstractContextManager[None]] = contextlib.nullcontext) -> Eval:
         """Generate every eval prompt's samples at the backend's current weights (within ``generating``: the
-        engines serve the eval), score them, publish the gauges; the caller emits the event."""
+        engines serve the eval), score them; the caller reports the event (``report_evals``)."""
         started = time.monotonic()
         samples = self._config.samples_per_prompt
         log.info("eval of step %d: %d held-out prompts x %d samples", step, len(self._prompts), samples)
@@ -162,11 +172,7 @@ class Evaluation:
                   for i, (p, group) in enumerate(zip(self._prompts[:SAMPLE_ROWS], texts, strict=False))])
         log.info("eval of step %d: reward %.3f, %s in %.1fs", step, event.reward_mean,
                  ", ".join(f"pass@{k} {v:.3f}" for k, v in pass_k.items()), seconds)
-        metrics.eval_reward_mean.set(event.reward_mean)
-        metrics.eval_step.set(step)
-        for k, value in pass_k.items():
-            metrics.eval_pass_at_k.labels(k).set(value)
-        metrics.eval_seconds.inc(seconds)
+        metrics.eval_seconds.inc(seconds)  # the work done, counted as done (again, if the step is evaluated again)
         metrics.eval_tokens.inc(tokens)
         return event
 

@@ -29,11 +29,12 @@ POINTS = (
     "before_barrier", "in_exclusive_hold", "post_cut_commit", "after_tq_save", "during_deferred_clear",
     "mid_sidecar_write", "before_finalize_rename",
     "after_finalize_before_latest", "during_retention", "during_restore_tq_load", "during_restore_index",
-    "before_dispatch", "mid_weight_broadcast", "during_weight_reload", "during_eval",
+    "before_dispatch", "mid_weight_broadcast", "during_weight_reload", "during_eval", "after_eval_report",
     "tensorboard_log", "wandb_log", "mlflow_log",
 )
 ACTIONS = ("exit", "enospc", "block", "fail", "slow")
-EVENT_LOOP_POINTS = ("before_dispatch", "in_exclusive_hold", "during_eval")  # passed with ``wait_at``
+# Passed with ``wait_at``.
+EVENT_LOOP_POINTS = ("before_dispatch", "in_exclusive_hold", "during_eval", "after_eval_report")
 TRACKER_POINTS = ("tensorboard_log", "wandb_log", "mlflow_log")  # passed in a tracker's process: they may block
 SLOW_S = 0.5
 

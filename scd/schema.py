@@ -153,6 +153,9 @@ class TrainingInfo(_Document):
     trigger: str = ""
     # The steps a held-out evaluation finished at (scd.evaluation): each is evaluated once across restores.
     evaluated_steps: list[int] = msgspec.field(default_factory=list)
+    # The evaluations finished before the cut and not reported then, each its ``eval`` event's fields: reported
+    # once the bundle is committed, or at a restore from it if the event log lacks them.
+    held_evals: list[dict[str, Any]] = msgspec.field(default_factory=list)
 
 
 class LedgerEntryRecord(msgspec.Struct, array_like=True, forbid_unknown_fields=True):

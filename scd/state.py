@@ -69,6 +69,7 @@ class Cut:
     fates: FateCounts
     run: RunIdentity
     evaluated_steps: list[int]
+    held_evals: list[dict[str, Any]]  # ControllerState.held_evals: reported once this cut's bundle is committed
 
     def keys(self) -> set[str]:
         """Every TQ key the cut names: its ready groups and its in-flight groups' staged siblings."""
@@ -91,6 +92,7 @@ class Restored:
     # The bundle is not a clean exit's (its trigger not final or shutdown): a crash came before this restore.
     after_crash: bool = True
     evaluated_steps: list[int] = field(default_factory=list)
+    held_evals: list[dict[str, Any]] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,6 +128,10 @@ class ControllerState:
         # What a prompt left in flight counts when generated again: no restore, or a clean exit's bundle, drained
         # it (redispatched); a crash's bundle lost what was generated for it since (``install``).
         self._restored_fate = Fate.REDISPATCHED
+        # Finished evals not reported yet, each its ``eval`` event's fields: the next cut holds them, and they
+        # are reported once its bundle is committed (``scd.telemetry.eval_reports``), so a crash never
+        # reports one twice nor loses one.
+        self.held_evals: list[dict[str, Any]] = []
         self._run_clock = time.monotonic()  # when this process's share of the run's seconds began
         self._rows = rows
 
@@ -283,12 +289,24 @@ class ControllerState:
             sampler_state=self.sampler.state(), supports_replay_checkpoint=self.sampler.supports_replay_checkpoint,
             replay_digest=self.replay.digest(), captured_at=time.time(), fates=self.fates.counts(),
             run=msgspec.structs.replace(self.run, run_s=self.run_seconds()),
-            evaluated_steps=list(self.evaluated_steps),
+            evaluated_steps=list(self.evaluated_steps), held_evals=list(self.held_evals),
         )
+
+    # The eval records change outside the barrier: only the train pump evaluates and takes cuts, and the
+    # writer's ``evals_reported`` runs while it writes, when the train pump takes no cut.
 
     def note_evaluated(self, step: int) -> None:
         """A held-out evaluation of ``step`` finished: every later cut records it (``EvalSchedule``)."""
         self.evaluated_steps.append(step)
+
+    def hold_eval(self, record: dict[str, Any]) -> None:
+        """An evaluation finished, not reported yet: the next cut holds it (``record``: its event's fields)."""
+        self.note_evaluated(record["step"])
+        self.held_evals.append(record)
+
+    def evals_reported(self, steps: Sequence[int]) -> None:
+        """The evaluations of ``steps`` are reported: later cuts hold them no more."""
+        self.held_evals = [record for record in self.held_evals if record["step"] not in steps]
 
     def run_seconds(self) -> float:
         """How long the logical run has run, across its processes: the restored cut's seconds, then this
@@ -312,6 +330,7 @@ class ControllerState:
         self.fates.load(restored.fates)
         self.run = restored.run or self.run
         self.evaluated_steps = list(restored.evaluated_steps)
+        self.held_evals = list(restored.held_evals)
         self._run_clock = time.monotonic()
         if restored.shadow:
             self.sampler.load_state({"dispatched": self.trainer_step * self.sampler.groups_per_step})

@@ -9,6 +9,7 @@ import signal
 import subprocess
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import anyio
 import orjson
@@ -22,6 +23,9 @@ from scd.model.prompts import RenderedPrompt
 from scd.records import Completion, FinishReason
 from scd.rewards import RewardInput, Scored
 from scd.tasks import Prompt
+from scd.telemetry import eval_reports
+from scd.telemetry.eval_reports import held_record, unreported
+from scd.telemetry.events import Eval
 from tests.conftest import REPO, SCD, ScdProcess, write_config
 
 EXAMPLE = REPO / "examples" / "chat_reversal"
@@ -129,25 +133,60 @@ def events_of(out: Path, kind: str) -> list[dict[str, object]]:
     return [record for record in map(orjson.loads, lines) if record["event"] == kind]
 
 
-def test_a_run_evaluates_at_the_start_every_n_steps_and_the_last_once_each_across_a_sigkill_mid_eval(
+def bundle_info(out: Path, step: int) -> dict[str, Any]:
+    return orjson.loads((layout.step_dir(out / "checkpoints", step) / layout.TRAINING_INFO_FILE).read_bytes())
+
+
+def run_until_killed(config: Path, fault: str, scd_processes: list[ScdProcess]) -> str:
+    """An ``scd run`` to step 12 ended at ``fault``: a real SIGKILL where it blocks, its own exit (137, as a
+    SIGKILL) where it exits; its output."""
+    process = ScdProcess(config, "--max-steps", "12", env={"SCD_FAULT": fault})
+    scd_processes.append(process)
+    if fault.endswith("=block"):
+        process.wait_for_line(f"blocking at {fault.split(':')[0]}", timeout=300)
+        process.signal(signal.SIGKILL)
+        assert process.wait(timeout=60) == -signal.SIGKILL
+    else:
+        assert process.wait(timeout=300) == 137, process.output()[-3000:]
+    return process.output()
+
+
+def test_each_eval_step_is_reported_once_across_sigkills_all_around_it_and_evaluated_again_only_when_no_bundle_held_it(
         tmp_path: Path, scd_processes: list[ScdProcess], session_ray: str, tiny_llama: Path) -> None:
     config = eval_run_config(tmp_path, session_ray, tiny_llama)
     out = tmp_path / "out"
-    # The second eval (step 5) hangs part-way; a real SIGKILL ends the process there.
-    first = ScdProcess(config, "--max-steps", "12", env={"SCD_FAULT": "during_eval:2=block"})
-    scd_processes.append(first)
-    first.wait_for_line("blocking at during_eval", timeout=240)
-    assert "eval of step 5:" in first.output()
-    first.signal(signal.SIGKILL)
-    assert first.wait(timeout=60) == -signal.SIGKILL
+    # Evals at 0, 5, 10 and 12.  Killed while the eval at step 5 generates: the one at 0 was reported after the
+    # bundle that holds it was committed.
+    first = run_until_killed(config, "during_eval:2=block", scd_processes)
+    assert "eval of step 5:" in first
     assert [e["step"] for e in events_of(out, "eval")] == [0]
-    # The bundle the eval at step 0 was followed by records it.
-    info = orjson.loads((layout.step_dir(out / "checkpoints", 0) / layout.TRAINING_INFO_FILE).read_bytes())
-    assert info["evaluated_steps"] == [0] and info["trigger"] == "eval"
+    assert bundle_info(out, 0)["evaluated_steps"] == [0] and bundle_info(out, 0)["trigger"] == "eval"
 
-    second = ScdProcess(config, "--max-steps", "12")
-    scd_processes.append(second)
-    assert second.wait(timeout=300) == 0, second.output()[-3000:]
+    # Killed after the eval at 5, before its bundle is committed: no report; no bundle holds it.
+    second = run_until_killed(config, "before_finalize_rename:1=exit", scd_processes)
+    assert "eval of step 5:" in second and "eval of step 0:" not in second
+    assert [e["step"] for e in events_of(out, "eval")] == [0]
+
+    # Evaluated again (no bundle held it); killed after its bundle is committed, before its report.
+    third = run_until_killed(config, "after_finalize_before_latest:1=exit", scd_processes)
+    assert "eval of step 5:" in third
+    assert [e["step"] for e in events_of(out, "eval")] == [0]
+    held = bundle_info(out, 5)
+    assert held["evaluated_steps"] == [0, 5] and [e["step"] for e in held["held_evals"]] == [5]
+
+    # The restore reports what the bundle holds and the log lacks, without evaluating it again; then killed
+    # right after the report of the eval at 10 (the second report this process makes).
+    fourth = run_until_killed(config, "after_eval_report:2=block", scd_processes)
+    assert "eval of step 5:" not in fourth and "eval of step 10:" in fourth
+    evals = events_of(out, "eval")
+    assert [e["step"] for e in evals] == [0, 5, 10]
+    assert {k: v for k, v in evals[1].items() if k != "time"} == held["held_evals"][0]
+
+    # The bundle of step 10 holds its eval, and the log has it: neither evaluated nor reported again.
+    fifth = ScdProcess(config, "--max-steps", "12")
+    scd_processes.append(fifth)
+    assert fifth.wait(timeout=300) == 0, fifth.output()[-3000:]
+    assert "eval of step 10:" not in fifth.output() and "eval of step 12:" in fifth.output()
     evals = events_of(out, "eval")
     assert [e["step"] for e in evals] == [0, 5, 10, 12]
     for event in evals:
@@ -158,6 +197,7 @@ def test_a_run_evaluates_at_the_start_every_n_steps_and_the_last_once_each_acros
     inspected = subprocess.run([*SCD, "checkpoint", "inspect", str(layout.step_dir(out / "checkpoints", 12)),
                                 "--json"], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert orjson.loads(inspected.stdout)["evaluated_steps"] == [0, 5, 10, 12]
+    assert [e["step"] for e in bundle_info(out, 12)["held_evals"]] == [12]  # reported once it was committed
     assert max(s["step"] for s in events_of(out, "train_step")) == 12
 
     # `scd eval` on the last bundle: the same evaluation, offline, its numbers as JSON.
@@ -247,3 +287,27 @@ def test_scd_eval_on_vllm_prints_only_its_json_on_stdout_and_the_engines_log_on_
     result = orjson.loads(offline.stdout)  # the JSON and nothing else
     assert result["step"] == 1 and result["prompts"] == 8 and set(result["pass_at_k"]) == {"1", "2", "4"}
     assert "vllm" in offline.stderr.lower() and "eval of step 1" in offline.stderr
+
+
+@pytest.mark.parametrize("block_bytes", [7, 1 << 20])
+def test_a_restore_owes_the_reports_of_the_held_evals_the_log_has_no_line_of_since_the_cut(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, block_bytes: int) -> None:
+    def record(step: int) -> dict[str, Any]:
+        return held_record(Eval(step=step, weight_version=step, prompts=2, samples_per_prompt=4, reward_mean=0.1 * step,
+                                pass_at_k={"1": 0.5}, reward_components={"digits": 0.25}, seconds=1.5, tokens=9,
+                                rows=[]))
+
+    def line(event: dict[str, Any], at: float) -> bytes:
+        return orjson.dumps({**event, "time": at}) + b"\n"
+
+    monkeypatch.setattr(eval_reports, "READ_BLOCK_BYTES", block_bytes)
+    log = tmp_path / "events.jsonl"
+    cut_at = 1000.0
+    # Eval 5 was reported before the cut (another history's: it does not count), 10 after it, and 15's line
+    # was torn by the crash.
+    log.write_bytes(line(record(5), cut_at - 1) + line({"event": "train_step", "step": 9}, cut_at + 1)
+                    + line(record(10), cut_at + 2) + line(record(15), cut_at + 3)[:-9])
+    held = [record(5), record(10), record(15)]
+    assert unreported(held, log, cut_at) == [record(5), record(15)]
+    assert unreported(held, tmp_path / "missing.jsonl", cut_at) == held
+    assert unreported([], log, cut_at) == []

@@ -41,6 +41,7 @@ from scd.rollouts import Rollouts, RolloutsCut
 from scd.schema import OUTCOME_REASONS, CheckpointPhase, Outcome, SkipReason, Trigger
 from scd.state import ControllerState
 from scd.telemetry import metrics
+from scd.telemetry.eval_reports import report_evals
 from scd.telemetry.events import Checkpoint, EventLog
 from scd.training.base import Trainer
 
@@ -258,6 +259,10 @@ class Checkpointer:
                            phases=pending.phases, groups=len(pending.cut.groups), cost_s=cost_of(pending.phases),
                            interval_s=self.interval.seconds(), **sizes)
         self._last_success_wall = now
+        # The bundle holds the evaluations the cut held: reported now, once (a crash before this line
+        # leaves them to the restore from it).
+        await report_evals(pending.cut.held_evals, self.events)
+        self._state.evals_reported([record["step"] for record in pending.cut.held_evals])
         return Outcome.COMPLETED
 
     async def _failed(self, tmp: Path, trigger: Trigger, exc: Exception, step: int) -> None:

@@ -59,6 +59,7 @@ from scd.rollouts import Rollouts
 from scd.schema import RestorePhase, RunIdentity, SchemaError, TrainingInfo, Trigger, decode
 from scd.state import ControllerState, Restored
 from scd.telemetry import metrics
+from scd.telemetry.eval_reports import report_evals, unreported
 from scd.telemetry.events import EventLog, Restore
 from scd.training.base import Trainer
 
@@ -356,7 +357,7 @@ async def restore_state(config: Config, parts: RestoreParts, restore_from: Path 
         step=info.step, weight_version=info.weight_version, dataloader=dataloader, index=index,
         ledger=verified.ledger, sampler_state=sidecar.sampler.state, shadow=shadow, fates=sidecar.prompt_fates,
         run=after_a_crash(info) if info.run is not None else None, after_crash=not clean_exit(info),
-        evaluated_steps=info.evaluated_steps,
+        evaluated_steps=info.evaluated_steps, held_evals=info.held_evals,
     ))
     clock.lap(RestorePhase.LEDGER)
 
@@ -385,6 +386,11 @@ async def restore_state(config: Config, parts: RestoreParts, restore_from: Path 
         optimizer_changes=optimizer_changes, phases=clock.stop(),
     )
     await record_restore(report, parts.events)
+    # Of the evaluations the bundle holds, those the event log lacks (a crash came between its commit and
+    # their report) are reported now; none is held on: each is reported once.
+    owed = await anyio.to_thread.run_sync(unreported, state.held_evals, parts.events.path, info.time)
+    await report_evals(owed, parts.events)
+    state.evals_reported([record["step"] for record in state.held_evals])
     return report
 
 

@@ -200,7 +200,7 @@ def write_bundle(pending: PendingBundle, keep_last: int, context: BundleContext)
         config_fingerprint=context.fingerprint, config_fingerprint_fields=context.fingerprint_fields,
         files=files, sidecar_bytes=len(sidecar), data_plane_bytes=data_plane_bytes,
         storage_units=context.storage_units, run=cut.run, trigger=pending.trigger.value,
-        evaluated_steps=cut.evaluated_steps,
+        evaluated_steps=cut.evaluated_steps, held_evals=cut.held_evals,
     ), indent=True))
     layout.fsync_tree(tmp)
     lap(CheckpointPhase.FSYNC)
