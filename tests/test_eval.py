@@ -14,6 +14,7 @@ from typing import Any
 import anyio
 import orjson
 import pytest
+from prometheus_client import REGISTRY
 
 from scd.checkpoint import layout
 from scd.config import Config, EvalConfig
@@ -24,8 +25,8 @@ from scd.records import Completion, FinishReason
 from scd.rewards import RewardInput, Scored
 from scd.tasks import Prompt
 from scd.telemetry import eval_reports
-from scd.telemetry.eval_reports import held_record, unreported
-from scd.telemetry.events import Eval
+from scd.telemetry.eval_reports import held_record, report_evals, unreported
+from scd.telemetry.events import Eval, EventLog
 from tests.conftest import REPO, SCD, ScdProcess, write_config
 
 EXAMPLE = REPO / "examples" / "chat_reversal"
@@ -289,14 +290,41 @@ def test_scd_eval_on_vllm_prints_only_its_json_on_stdout_and_the_engines_log_on_
     assert "vllm" in offline.stderr.lower() and "eval of step 1" in offline.stderr
 
 
+def an_eval_record(step: int) -> dict[str, Any]:
+    return held_record(Eval(step=step, weight_version=step, prompts=2, samples_per_prompt=4, reward_mean=0.1 * step,
+                            pass_at_k={"1": 0.5, "4": 0.75}, reward_components={"digits": 0.25}, seconds=1.5, tokens=9,
+                            rows=[]))
+
+
+class _Offered:
+    """The trackers' side of the event log (a unit test: what each tracker process would be handed)."""
+
+    def __init__(self) -> None:
+        self.lines: list[bytes] = []
+
+    def offer(self, line: bytes) -> None:
+        self.lines.append(line)
+
+    def close(self) -> None:
+        pass
+
+
+def test_a_report_writes_each_eval_once_hands_it_to_the_trackers_and_sets_the_gauges(tmp_path: Path) -> None:
+    trackers = _Offered()
+    log = EventLog(tmp_path / "events.jsonl", trackers)
+    anyio.run(report_evals, [an_eval_record(5), an_eval_record(10)], log)
+    written = log.path.read_bytes().splitlines()
+    assert [orjson.loads(line)["step"] for line in written] == [5, 10]
+    assert [line + b"\n" for line in written] == trackers.lines
+    assert {k: v for k, v in orjson.loads(written[1]).items() if k != "time"} == an_eval_record(10)
+    assert REGISTRY.get_sample_value("scd_eval_step") == 10
+    assert REGISTRY.get_sample_value("scd_eval_reward_mean") == pytest.approx(1.0)
+    assert REGISTRY.get_sample_value("scd_eval_pass_at_k", {"k": "4"}) == 0.75
+
+
 @pytest.mark.parametrize("block_bytes", [7, 1 << 20])
 def test_a_restore_owes_the_reports_of_the_held_evals_the_log_has_no_line_of_since_the_cut(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, block_bytes: int) -> None:
-    def record(step: int) -> dict[str, Any]:
-        return held_record(Eval(step=step, weight_version=step, prompts=2, samples_per_prompt=4, reward_mean=0.1 * step,
-                                pass_at_k={"1": 0.5}, reward_components={"digits": 0.25}, seconds=1.5, tokens=9,
-                                rows=[]))
-
     def line(event: dict[str, Any], at: float) -> bytes:
         return orjson.dumps({**event, "time": at}) + b"\n"
 
@@ -305,9 +333,9 @@ def test_a_restore_owes_the_reports_of_the_held_evals_the_log_has_no_line_of_sin
     cut_at = 1000.0
     # Eval 5 was reported before the cut (another history's: it does not count), 10 after it, and 15's line
     # was torn by the crash.
-    log.write_bytes(line(record(5), cut_at - 1) + line({"event": "train_step", "step": 9}, cut_at + 1)
-                    + line(record(10), cut_at + 2) + line(record(15), cut_at + 3)[:-9])
-    held = [record(5), record(10), record(15)]
-    assert unreported(held, log, cut_at) == [record(5), record(15)]
+    log.write_bytes(line(an_eval_record(5), cut_at - 1) + line({"event": "train_step", "step": 9}, cut_at + 1)
+                    + line(an_eval_record(10), cut_at + 2) + line(an_eval_record(15), cut_at + 3)[:-9])
+    held = [an_eval_record(5), an_eval_record(10), an_eval_record(15)]
+    assert unreported(held, log, cut_at) == [an_eval_record(5), an_eval_record(15)]
     assert unreported(held, tmp_path / "missing.jsonl", cut_at) == held
     assert unreported([], log, cut_at) == []
