@@ -84,13 +84,18 @@ class _Worker:
         return orjson.loads(await self._replies.receive_until(b"\n", _MAX_LINE_BYTES))
 
     def exited(self) -> bool:
-        """Whether the process has exited; it is not reaped here, so asyncio's child watcher still gets its
-        exit code."""
+        """Whether the process has exited, reaped or not.
+
+        Its state in /proc, not ``waitid(WNOWAIT)``: while asyncio's child watcher thread, blocked in ``waitpid``,
+        is claiming a zombie, ``waitid`` finds nothing to wait for, and the process object knows nothing yet.
+        (A pid reused after the reap reads as alive: the call then fails on it and runs again on a fresh worker.)
+        """
         if self.process.returncode is not None:
             return True
         try:
-            return os.waitid(os.P_PID, self.process.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
-        except ChildProcessError:  # the child watcher reaped it and has not yet told the process object
+            with open(f"/proc/{self.process.pid}/stat", "rb") as stat:
+                return stat.read().rpartition(b")")[2].split()[0] in (b"Z", b"X")
+        except FileNotFoundError:  # reaped
             return True
 
     async def kill(self) -> None:
