@@ -93,9 +93,13 @@ class ReplayIndex:
 
     def retarget(self, group_id: str, target_step: int | None) -> None:
         """Give a ready group another target step (a gated sampler's state re-derived at restore)."""
-        group = msgspec.structs.replace(self._groups[group_id], target_step=target_step)
-        self._groups[group_id] = group
-        self._hashes[group_id] = group_hash(group)
+        self.replace(msgspec.structs.replace(self._groups[group_id], target_step=target_step))
+
+    def replace(self, group: GroupMeta) -> None:
+        """Put ``group`` in place of the ready group of its id, in its place in commit order: its target step
+        re-derived, or its rewards scored again (a restore under a changed reward set); its rows are the same."""
+        self._groups[group.group_id] = group
+        self._hashes[group.group_id] = group_hash(group)
 
     def remove(self, group_id: str) -> GroupMeta:
         group = self._groups.pop(group_id)

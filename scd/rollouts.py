@@ -46,6 +46,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 import anyio
+import msgspec
 import torch
 from anyio.abc import TaskStatus
 from anyio.streams.memory import MemoryObjectSendStream
@@ -57,10 +58,10 @@ from scd.ledger import PromptLedger, PromptState, StagedSiblings
 from scd.model.policy import Policy
 from scd.model.prompts import RenderedPrompt
 from scd.records import COMPLETE, Completion, PartialSibling, Prefix, Rollout, WasteReason
-from scd.replay import GroupMeta, sample_ids_for
-from scd.rewards import Scored, Scorer
+from scd.replay import GroupMeta, rollouts_of, sample_ids_for
+from scd.rewards import RewardInput, Scored, Scorer
 from scd.samplers import Sampler, gates_dispatch
-from scd.scoring import ScoringStage, SiblingToScore
+from scd.scoring import ScoringStage, SiblingToScore, scores_when_available
 from scd.skew import bucket_prompts
 from scd.state import ControllerState
 from scd.telemetry import metrics
@@ -183,6 +184,8 @@ class Rollouts:
         self._being_scored = 0
         self._scoring_stopped = False
         self._scored_now: anyio.Event | None = None  # set at each score while ``stop_scoring`` waits
+        self._scorer = scorer  # a restore under a changed reward set scores the ready groups again (``rescore``)
+        self._decode = policy.decode
         self._committed_tokens = 0
         self._wasted_tokens = 0
         self._capacity = _held_groups_limit(config, state.sampler)
@@ -366,6 +369,32 @@ class Rollouts:
         scores_owed = sum(len(f) for f in self._finished.values()) - scores_reused
         return RolloutsRestored(reused, rerun, stale_tokens, reused_tokens, dropped_tokens, resumed, scores_reused,
                                 scores_owed)
+
+    async def rescore(self, groups: Sequence[GroupMeta], stored: Sequence[Sequence[tuple[torch.Tensor, torch.Tensor]]]
+                      ) -> list[GroupMeta]:
+        """Ready groups scored again with this run's rewards (a restore under a changed reward set), from their
+        rows as TQ holds them (``stored``, by group): each sibling once, an outage waited out as the scoring
+        stage waits it out.  Returns the groups with their new rewards; their rows are the same."""
+        rows = [rollouts_of(group, [ids for ids, _ in got], [lp for _, lp in got])
+                for group, got in zip(groups, stored, strict=True)]
+
+        def decoded() -> list[list[str]]:
+            return [[self._decode(row.input_ids[row.prompt_len:].tolist()) for row in group_rows]
+                    for group_rows in rows]
+
+        inputs: list[RewardInput] = []
+        for group, completions in zip(groups, await anyio.to_thread.run_sync(decoded), strict=True):
+            prompt = self._prompts[group.prompt_id].prompt
+            inputs.extend(RewardInput(group.prompt_id, prompt.prompt, completion, prompt.answer, prompt.row,
+                                      prompt.where) for completion in completions)
+        scores = await scores_when_available(self._scorer, inputs)
+        rescored, at = [], 0
+        for group in groups:
+            scored = scores[at:at + len(group.sample_ids)]
+            at += len(scored)
+            rescored.append(msgspec.structs.replace(group, rewards=tuple(s.total for s in scored),
+                                                    reward_components=_mean_components(scored)))
+        return rescored
 
     # ---- what generation reports -------------------------------------------------------------
 

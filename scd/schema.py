@@ -59,6 +59,7 @@ class RestorePhase(enum.StrEnum):
     LEDGER = "ledger"  # the cut installed (ledger, index, sampler state, counters)
     SIBLINGS = "siblings"  # in-window staged siblings read back, older ones unstaged
     EVICT = "evict"  # restored groups already stale evicted
+    RESCORE = "rescore"  # the ready groups scored again under a changed reward set (0 when it is the same)
     FIRST_WEIGHT_SYNC = "first_weight_sync"  # the restored weights to generation
     REDISPATCH = "redispatch"  # in-flight prompts requeued for their missing siblings
     TOTAL = "total"  # from the start of restore to the moment the first admission may run

@@ -12,6 +12,7 @@ import orjson
 
 from scd.checkpoint import layout
 from scd.config import NOT_SET, parse_config
+from scd.schema import Sidecar, decode
 from tests.conftest import ScdProcess, write_config
 
 
@@ -60,3 +61,46 @@ def test_a_changed_config_is_refused_before_ray_starts_naming_every_changed_key(
     # Nothing expensive started: no TQ was attached to, and the controller never announced its start.
     assert "TransferQueue: controller on" not in said
     assert sum(e["event"] == "start" for e in events_in(tmp_path)) == started
+
+
+# Two rewards a test can tell apart in every number a train step reports.
+CONSTANT_REWARDS = """
+def a(prompt, completion, answer, row):
+    return 0.25
+
+
+def b(prompt, completion, answer, row):
+    return 0.75
+"""
+
+
+def test_a_changed_reward_set_is_applied_across_a_restore_and_no_score_of_the_old_one_is_trained(
+        tmp_path: Path, scd_processes: list[ScdProcess], session_ray: str) -> None:
+    (tmp_path / "consts.py").write_text(CONSTANT_REWARDS)
+    reward = '\n[[task.rewards]]\nfunction = "consts:{}"\nname = "const"\n'
+    config = write_config(tmp_path, ray_address=session_ray, extra=reward.format("a"))
+    first = ScdProcess(config, "--max-steps", "2")
+    scd_processes.append(first)
+    assert first.wait(timeout=300) == 0, first.output()[-3000:]
+    [bundle] = layout.finalized_bundles(tmp_path / "out" / "checkpoints")
+    held = decode(bundle / layout.SIDECAR_FILE, Sidecar)
+    assert held.groups and {r for g in held.groups for r in g.rewards} == {0.25}, "no ready group to score again"
+
+    config.write_text(config.read_text().replace('"consts:a"', '"consts:b"'))
+    second = ScdProcess(config, "--max-steps", "4")
+    scd_processes.append(second)
+    assert second.wait(timeout=300) == 0, second.output()[-3000:]
+
+    events = events_in(tmp_path)
+    restore = [e for e in events if e["event"] == "restore"][-1]
+    assert restore["reward_changes"] == {"task.rewards[0].function": ["consts:a", "consts:b"]}
+    assert restore["groups_rescored"] == restore["groups_restored"] > 0
+    assert restore["scores_reused"] == 0  # a staged sibling's score under "a" is owed again
+    assert "task.rewards[0].function is consts:b in the config, consts:a in" in second.output()
+    trained = [e for e in events if e["event"] == "train_step" and e["step"] > 2]
+    assert [e["step"] for e in trained] == [3, 4]
+    # Every group trained after the restore, restored or generated since, carries b's score alone.
+    assert all(e["reward_mean"] == 0.75 for e in trained), [e["reward_mean"] for e in trained]
+    final = decode(layout.finalized_bundles(tmp_path / "out" / "checkpoints")[-1] / layout.SIDECAR_FILE, Sidecar)
+    assert {r for g in final.groups for r in g.rewards} <= {0.75}
+    assert {s.total for s in final.sibling_scores} <= {0.75}

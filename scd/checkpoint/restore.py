@@ -5,7 +5,8 @@ files' digests (before TQ unpickles anything) -> decode the replay metadata and
 check it against this run's config -> the dataloader's cursor against the
 ledger -> TQ must be clean -> load the policy -> TQ's snapshot -> the exact
 inventory -> ``ControllerState.install`` -> read the staged siblings back and
-hand them, with the bundle's own, to ``Rollouts.restore`` -> evict stale groups -> the first weight sync ->
+hand them, with the bundle's own, to ``Rollouts.restore`` -> evict stale groups -> under a changed reward
+set, score the ready groups again (``rescore_ready_groups``) -> the first weight sync ->
 requeue in-flight prompts for generation.  Then admission may start.  Every
 refusal comes before the trainer or TQ is loaded, except the inventory check,
 which needs TQ's snapshot; those for a changed config (``check_before_start``)
@@ -24,7 +25,7 @@ import shutil
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import TypeVar
@@ -104,6 +105,10 @@ class RestoreReport:
     scores_owed: int = 0  # finished siblings kept without one: scored by this run, not generated again
     # Optimizer settings the config changed from the bundle's, [old, new] by key: the config's apply.
     optimizer_changes: dict[str, list[float]] = field(default_factory=dict)
+    # The reward set's settings the config changed from the bundle's, [old, new] by key: the config's apply,
+    # and the ready groups restored are scored again under them (the cut's sibling scores are owed again).
+    reward_changes: dict[str, list[object]] = field(default_factory=dict)
+    groups_rescored: int = 0
     phases: dict[str, float] = field(default_factory=dict)
 
 
@@ -304,7 +309,7 @@ async def restore_state(config: Config, parts: RestoreParts, restore_from: Path 
                                            lambda: verify_files(bundle, hashed_while_read=POLICY_FILES))
     clock.lap(RestorePhase.RESOLVE)
     verified = await verify_or_point_elsewhere(bundle, explicit, lambda: read_metadata(bundle, info))
-    check_against_config(config, state, verified, allow_config_change)
+    reward_changes = check_against_config(config, state, verified, allow_config_change)
     sidecar = verified.sidecar
     shadow = not state.sampler.supports_replay_checkpoint
     buckets = state.fates.buckets
@@ -363,12 +368,18 @@ async def restore_state(config: Config, parts: RestoreParts, restore_from: Path 
 
     staged = await read_staged_siblings(state, dataplane)
     check_finished_within_budget(bundle, staged, config.generation.max_new_tokens)
-    siblings = await parts.rollouts.restore(verified.rollouts, staged, resumable=parts.generation.resumable,
-                                            shadow=shadow)
+    for key, (old, new) in reward_changes.items():
+        log.warning("restore: %s is %s in the config, %s in %s: the config's rewards apply from now on, and the "
+                    "scores the bundle holds are scored again under them", key, new, old, bundle)
+    # Scores under the bundle's rewards are not kept: its finished siblings are owed a score under this run's.
+    cut = replace(verified.rollouts, scores={}) if reward_changes else verified.rollouts
+    siblings = await parts.rollouts.restore(cut, staged, resumable=parts.generation.resumable, shadow=shadow)
     clock.lap(RestorePhase.SIBLINGS)
     evicted = await parts.rollouts.evict_stale(at_restore=True)
     stale_tokens = siblings.stale_tokens + sum(group.completion_tokens for group in evicted)
     clock.lap(RestorePhase.EVICT)
+    rescored = await rescore_ready_groups(state, dataplane, parts.rollouts) if reward_changes else 0
+    clock.lap(RestorePhase.RESCORE)
     await parts.generation.update_weights(parts.trainer.live_weights(), state.weight_version)
     clock.lap(RestorePhase.FIRST_WEIGHT_SYNC)
     redispatched = await parts.rollouts.requeue_in_flight()
@@ -384,6 +395,7 @@ async def restore_state(config: Config, parts: RestoreParts, restore_from: Path 
         prefix_tokens_dropped=siblings.prefix_tokens_dropped, siblings_resumed=siblings.siblings_resumed,
         scores_reused=siblings.scores_reused, scores_owed=siblings.scores_owed,
         optimizer_changes=optimizer_changes, phases=clock.stop(),
+        reward_changes={key: list(change) for key, change in reward_changes.items()}, groups_rescored=rescored,
     )
     await record_restore(report, parts.events)
     # Of the evaluations the bundle holds, those the event log lacks (a crash came between its commit and
@@ -392,6 +404,21 @@ async def restore_state(config: Config, parts: RestoreParts, restore_from: Path 
     await report_evals(owed, parts.events)
     state.evals_reported([record["step"] for record in state.held_evals])
     return report
+
+
+# Ready groups read from TQ and scored again at once: bounds the rows a restore holds in memory.
+RESCORE_GROUPS = 64
+
+
+async def rescore_ready_groups(state: ControllerState, dataplane: DataPlane, rollouts: Rollouts) -> int:
+    """Every ready group restored, scored again with this run's rewards (a changed reward set): no group scored
+    under the bundle's rewards is trained after the restore.  Returns how many groups."""
+    groups = state.replay.groups()
+    for start in range(0, len(groups), RESCORE_GROUPS):
+        chunk = groups[start:start + RESCORE_GROUPS]
+        for group in await rollouts.rescore(chunk, await dataplane.get_groups([g.group_id for g in chunk])):
+            state.replay.replace(group)
+    return len(groups)
 
 
 async def read_staged_siblings(state: ControllerState, dataplane: DataPlane) -> dict[str, dict[int, Completion]]:
@@ -434,7 +461,8 @@ async def record_restore(report: RestoreReport, events: EventLog) -> None:
         siblings_rerun=report.siblings_rerun, stale_tokens=report.stale_tokens,
         prefix_tokens_reused=report.prefix_tokens_reused, prefix_tokens_dropped=report.prefix_tokens_dropped,
         siblings_resumed=report.siblings_resumed, scores_reused=report.scores_reused, scores_owed=report.scores_owed,
-        optimizer_changes=report.optimizer_changes,
+        optimizer_changes=report.optimizer_changes, reward_changes=report.reward_changes,
+        groups_rescored=report.groups_rescored,
     ))
 
 

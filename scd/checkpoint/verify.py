@@ -23,7 +23,7 @@ from typing import NoReturn
 import orjson
 
 from scd.checkpoint import layout
-from scd.config import NOT_SET, Config
+from scd.config import NOT_SET, Config, is_reward_setting
 from scd.dataloader import PromptOrder
 from scd.errors import InvariantViolation
 from scd.ledger import PromptLedger, PromptState, group_id_for
@@ -299,8 +299,8 @@ def check_settings(config: Config, sampler: str, info: TrainingInfo, bundle: Pat
     if info.partition != config.data_plane.partition:
         refuse(f"holds TQ partition {info.partition!r}; this run uses {config.data_plane.partition!r}")
     changes = config.fingerprint_changes(info.config_fingerprint_fields)
-    reward_changes: dict[str, tuple[object, object]] = {}
-    refused = changes
+    reward_changes = {key: change for key, change in changes.items() if is_reward_setting(key)}
+    refused = {key: change for key, change in changes.items() if key not in reward_changes}
     if refused and not allow_config_change:
         listed = "".join(f"\n  {key}: {_shown(old)} -> {_shown(new)}" for key, (old, new) in refused.items())
         refuse(f"was written under settings that change what its rollouts or its sampler state mean, and this "
