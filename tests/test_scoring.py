@@ -155,7 +155,9 @@ def test_a_failing_reward_stops_the_run_with_exit_1_naming_it_and_the_last_bundl
     (tmp_path / "fail-now").touch()
     assert first.wait(timeout=120) == 1
     said = first.output()
-    assert "scd: error: reward 'flagged' (function 'flagged_reward:reward') failed on prompt " in said, said[-3000:]
+    # The prompt as a load error would name it: a built-in's name and index (a dataset's file:line).
+    assert "scd: error: reward 'flagged' (function 'flagged_reward:reward') failed on task reverse prompt " in said, \
+        said[-3000:]
     assert "raised ValueError: no verdict for " in said
     bundles = layout.finalized_bundles(root)
     assert bundles and not layout.leftover_tmp_dirs(root)
