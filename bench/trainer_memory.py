@@ -12,20 +12,28 @@ One GRPO step at world size 1 over 16 rows of 1,024 tokens (24 prompt, 1,000 com
 vocabulary of 32,000, on a 2-layer Llama of width 64 (so the logits, not the model, are what a step
 holds).  Each mode runs in a process of its own, and its peak RSS over the step is measured against the
 same process after a warm-up step of 2 rows: "chunked" is the trainer as it is (completion tokens'
-logits a chunk at a time, recomputed in backward); "full" computes ``[rows, length, vocab]`` fp32 logits
-and their log-softmax for the whole step, kept through backward, as the trainer did before.  The goal:
-the chunked step's rise is at most half of one fp32 logits tensor (16 × 1,024 × 32,000 × 4 bytes).
+logits a chunk at a time, recomputed in backward) with the default ``trainer.entropy_coef = 0``
+(``trainer_logprob_peak_rss_ratio``) and with an entropy bonus of 0.01 (``..._bonus_ratio``); "full"
+computes ``[rows, length, vocab]`` fp32 logits and their log-softmax for the whole step, kept through
+backward, as the trainer did before.  The goal: the chunked step's rise is at most half of one fp32
+logits tensor (16 × 1,024 × 32,000 × 4 bytes), with and without the bonus.  The suite asserts the same
+bound at a smaller shape (``step_rise`` is what both call).
+
+``python -m bench.trainer_memory chunked|full [ENTROPY_COEF]`` prints one mode's rise at the bench's shape.
 """
 
 from __future__ import annotations
 
+import os
 import resource
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Literal
 
 import anyio
 import orjson
@@ -33,18 +41,49 @@ import torch
 
 from bench.summary import percentile, probe_loop
 
-ROWS, PROMPT, COMPLETION, VOCAB = 16, 24, 1000, 32_000
-LOGITS_BYTES = ROWS * (PROMPT + COMPLETION) * VOCAB * 4
-GOALS = {"trainer_logprob_peak_rss_ratio": ("<=", 0.5), "trainer_capture_loop_stall_p99_ms": ("<=", 50.0),
-         "trainer_bundle_bytes_ratio": ("<=", 1.02)}
+REPO = Path(__file__).resolve().parents[1]
+GOALS = {"trainer_logprob_peak_rss_ratio": ("<=", 0.5), "trainer_logprob_peak_rss_bonus_ratio": ("<=", 0.5),
+         "trainer_capture_loop_stall_p99_ms": ("<=", 50.0), "trainer_bundle_bytes_ratio": ("<=", 1.02)}
+BONUS = 0.01
+Mode = Literal["chunked", "full"]
+
+
+@dataclass(frozen=True, slots=True)
+class StepShape:
+    """One measured step: ``rows`` of ``prompt`` + ``completion`` tokens over ``vocab``."""
+
+    rows: int
+    prompt: int
+    completion: int
+    vocab: int
+    chunk_tokens: int = 0  # trainer.logprob_chunk_tokens (0: auto)
+
+    @property
+    def logits_bytes(self) -> int:
+        """One fp32 logits tensor of the whole step: what the rise is measured against."""
+        return self.rows * (self.prompt + self.completion) * self.vocab * 4
+
+
+BENCH_SHAPE = StepShape(rows=16, prompt=24, completion=1000, vocab=32_000)
+
+
+@dataclass(frozen=True, slots=True)
+class StepRise:
+    rise_bytes: int
+    chunk_tokens: int
+    logits_bytes: int
+
+    @property
+    def ratio(self) -> float:
+        return self.rise_bytes / self.logits_bytes
 
 
 def _peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def _step_rise(mode: str, directory: Path) -> dict[str, float]:
-    """Runs in its own process: the peak RSS the big step adds over a warmed-up trainer."""
+def _measure_in_this_process(mode: Mode, shape: StepShape, entropy_coef: float, directory: Path) -> StepRise:
+    """The peak RSS the big step adds over a warmed-up trainer (meaningful only in a fresh process)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from scd.config import parse_config
@@ -54,11 +93,12 @@ def _step_rise(mode: str, directory: Path) -> dict[str, float]:
     from scd.training.grpo import GRPOTrainer, completion_logprobs
 
     write_tokenizer(directory)
-    LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=256, num_hidden_layers=2,
+    LlamaForCausalLM(LlamaConfig(vocab_size=shape.vocab, hidden_size=64, intermediate_size=256, num_hidden_layers=2,
                                  num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=2048,
                                  tie_word_embeddings=False)).save_pretrained(directory)
     config = parse_config({"run": {"output_dir": str(directory)}, "model": {"name": str(directory)},
-                           "trainer": {"lr": 1e-4, "groups_per_step": 2}}, directory)
+                           "trainer": {"lr": 1e-4, "groups_per_step": 2, "entropy_coef": entropy_coef,
+                                       "logprob_chunk_tokens": shape.chunk_tokens}}, directory)
     trainer = GRPOTrainer(config, build_policy(config.model, 0))
     if mode == "full":
         def full(tokens: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -70,14 +110,29 @@ def _step_rise(mode: str, directory: Path) -> dict[str, float]:
         trainer.completion_token_logprobs = full  # type: ignore[method-assign]
 
     def rows(count: int) -> list[list[Rollout]]:
-        made = [Rollout(torch.randint(4, VOCAB, (PROMPT + COMPLETION,)), torch.full((COMPLETION,), -10.0), PROMPT,
-                        reward=float(i % 2), weight_version=0) for i in range(count)]
+        made = [Rollout(torch.randint(4, shape.vocab, (shape.prompt + shape.completion,)),
+                        torch.full((shape.completion,), -10.0), shape.prompt, reward=float(i % 2), weight_version=0)
+                for i in range(count)]
         return [made[: count // 2], made[count // 2:]]
 
     trainer.step(rows(2), weight_version=0)
     before = _peak_rss_bytes()
-    trainer.step(rows(ROWS), weight_version=0)
-    return {"rise_bytes": _peak_rss_bytes() - before, "chunk_tokens": trainer.chunk_tokens}
+    trainer.step(rows(shape.rows), weight_version=0)
+    return StepRise(_peak_rss_bytes() - before, trainer.chunk_tokens, shape.logits_bytes)
+
+
+def step_rise(mode: Mode, shape: StepShape, entropy_coef: float, *, mmap_threshold: int | None = None) -> StepRise:
+    """``mode``'s peak RSS rise over one step of ``shape``, measured in a fresh process.
+
+    ``mmap_threshold`` pins glibc's (``MALLOC_MMAP_THRESHOLD_``): a block at least that large is mapped and
+    unmapped on its own, so peak RSS follows the tensors alive.  Unpinned (the default, as a user's process
+    runs), glibc raises it up to 32 MiB as blocks are freed and keeps freed blocks below it in its heap:
+    at a shape whose chunks are that small, what the heap keeps swamps what the step holds."""
+    env = os.environ | ({"MALLOC_MMAP_THRESHOLD_": str(mmap_threshold)} if mmap_threshold else {})
+    out = subprocess.run([sys.executable, "-m", "bench.trainer_memory", mode, str(entropy_coef),
+                          orjson.dumps(asdict(shape)).decode()], cwd=REPO, env=env, check=True, capture_output=True,
+                         timeout=900)
+    return StepRise(**orjson.loads(out.stdout.splitlines()[-1]))
 
 
 async def capture_figures(tmp: Path, rounds: int = 3) -> dict[str, float]:
@@ -120,22 +175,24 @@ async def capture_figures(tmp: Path, rounds: int = 3) -> dict[str, float]:
 
 async def figures(tmp: Path) -> dict[str, float]:
     summary = await capture_figures(tmp)
-    rises = {}
-    for mode in ("chunked", "full"):
-        out = subprocess.run([sys.executable, "-m", "bench.trainer_memory", mode], check=True, capture_output=True,
-                             timeout=900)
-        rises[mode] = orjson.loads(out.stdout.splitlines()[-1])
+    chunked, bonus, full = [await anyio.to_thread.run_sync(step_rise, mode, BENCH_SHAPE, coef)
+                            for mode, coef in (("chunked", 0.0), ("chunked", BONUS), ("full", 0.0))]
     return summary | {
-        "trainer_logprob_peak_rss_ratio": rises["chunked"]["rise_bytes"] / LOGITS_BYTES,
-        "trainer_logprob_peak_rss_full_ratio": rises["full"]["rise_bytes"] / LOGITS_BYTES,
-        "trainer_logprob_peak_rss_chunked_mb": rises["chunked"]["rise_bytes"] / 2**20,
-        "trainer_logprob_peak_rss_full_mb": rises["full"]["rise_bytes"] / 2**20,
-        "trainer_logprob_chunk_tokens": rises["chunked"]["chunk_tokens"],
-        "trainer_logits_tensor_mb": LOGITS_BYTES / 2**20,
+        "trainer_logprob_peak_rss_ratio": chunked.ratio,
+        "trainer_logprob_peak_rss_bonus_ratio": bonus.ratio,
+        "trainer_logprob_peak_rss_full_ratio": full.ratio,
+        "trainer_logprob_peak_rss_chunked_mb": chunked.rise_bytes / 2**20,
+        "trainer_logprob_peak_rss_bonus_mb": bonus.rise_bytes / 2**20,
+        "trainer_logprob_peak_rss_full_mb": full.rise_bytes / 2**20,
+        "trainer_logprob_chunk_tokens": chunked.chunk_tokens,
+        "trainer_logits_tensor_mb": BENCH_SHAPE.logits_bytes / 2**20,
     }
 
 
 if __name__ == "__main__":
     torch.set_num_threads(2)
+    mode: Mode = sys.argv[1]  # type: ignore[assignment]
+    coef = float(sys.argv[2]) if len(sys.argv) > 2 else 0.0
+    shape = StepShape(**orjson.loads(sys.argv[3])) if len(sys.argv) > 3 else BENCH_SHAPE
     with tempfile.TemporaryDirectory() as scratch:
-        print(orjson.dumps(_step_rise(sys.argv[1], Path(scratch))).decode())
+        print(orjson.dumps(asdict(_measure_in_this_process(mode, shape, coef, Path(scratch)))).decode())

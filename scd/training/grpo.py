@@ -197,7 +197,8 @@ class GRPOTrainer:
     def _completion_logprobs(self, tokens: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         at = mask.bool()
         hidden = self.policy.hidden(self.model, tokens)[:, :-1][at]
-        chosen, entropy = token_logprobs(hidden, tokens[:, 1:][at], self.head, self.sampling, self.chunk_tokens)
+        chosen, entropy = token_logprobs(hidden, tokens[:, 1:][at], self.head, self.sampling, self.chunk_tokens,
+                                         entropy_in_loss=bool(self.cfg.entropy_coef))
         zeros = torch.zeros(mask.shape, dtype=chosen.dtype, device=mask.device)
         return zeros.masked_scatter(at, chosen), zeros.masked_scatter(at, entropy)
 
