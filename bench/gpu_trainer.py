@@ -99,8 +99,9 @@ def peak_bytes(device: torch.device) -> int:
     return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
 
 
-def free(*objects: Any) -> None:
-    del objects
+def release_cached_memory() -> None:
+    """The device memory of what the caller has dropped, back to the device: a trainer is freed when its
+    last reference goes (it is in no reference cycle), and the collection is for anything else that is."""
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -127,7 +128,8 @@ def largest_fit(directory: Path, device: torch.device, vocab: int, limit: int) -
             tried.append({"groups": groups, "out_of_memory": True})
             break
         finally:
-            free(trainer)
+            del trainer  # before the next size's trainer is built
+            release_cached_memory()
         groups *= 2
     return fits, tried
 
@@ -214,7 +216,8 @@ def measure(shape: str, device: torch.device, disk: Path, steps: int, limit: int
                "moved_at_lr_1e-6": moved_shares(trainer, groups)}
     if time.monotonic() - STARTED < BUDGET_S:
         result["state"] = state_paths(trainer, disk)
-    free(trainer, groups)
+    del trainer, groups
+    release_cached_memory()
     return result
 
 

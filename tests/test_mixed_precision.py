@@ -110,13 +110,58 @@ def test_activation_checkpointing_and_chunks_change_no_number(tiny_llama: Path, 
     plain = trainer_for(tiny_llama, tmp_path, lr=1e-3)
     lean = trainer_for(tiny_llama, tmp_path, lr=1e-3, activation_checkpointing=True, logprob_chunk_tokens=7)
     rows = rows_for(plain, 0)
+    grads = {plain: [], lean: []}
+    for trainer in grads:  # the step frees the gradients once the optimizer has used them
+        trainer.optimizer.register_step_pre_hook(
+            lambda *_, trainer=trainer: grads[trainer].extend(p.grad.clone() for p in trainer.model.parameters()))
     first, second = plain.step(rows, weight_version=0), lean.step(rows, weight_version=0)
     assert first.loss == pytest.approx(second.loss, abs=1e-6) and first.entropy == pytest.approx(second.entropy)
     # The gradients, not the weights: Adam's first step moves a weight by about lr whatever its gradient's size,
     # so summation-order noise on a near-zero gradient would show as a full step.
-    for p, q in zip(plain.model.parameters(), lean.model.parameters(), strict=True):
-        assert p.grad is not None and q.grad is not None
-        assert torch.allclose(p.grad, q.grad, atol=1e-6, rtol=1e-4)
+    assert len(grads[plain]) == len(grads[lean]) == len(list(plain.model.parameters()))
+    for p, q in zip(grads[plain], grads[lean], strict=True):
+        assert torch.allclose(p, q, atol=1e-6, rtol=1e-4)
+
+
+def tied_llama(directory: Path, vocab_size: int = 2048) -> Path:
+    """A random HF Llama whose output head is its embedding (as Qwen2.5-0.5B's), with scd's character
+    tokenizer, written to ``directory``."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from scd.model.init_tiny import write_tokenizer
+
+    directory.mkdir(parents=True, exist_ok=True)
+    write_tokenizer(directory)
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                 num_attention_heads=2, num_key_value_heads=2, tie_word_embeddings=True)
+                     ).save_pretrained(directory)
+    return directory
+
+
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "activation_checkpointing"])
+def test_a_step_frees_its_gradients_and_a_dropped_trainer_is_freed_at_once(tmp_path: Path,
+                                                                              checkpointing: bool) -> None:
+    """Gradients are not held past the step (a weight sync's model-dtype copy and a capture come between two
+    steps), and nothing keeps a trainer alive in a reference cycle: the last reference gone, its model and
+    optimizer state are freed then, not at a garbage collection that may come after the next trainer is built
+    (bench/gpu_trainer.py's ``largest_fit`` builds one per size it tries)."""
+    import gc
+    import weakref
+
+    model = tied_llama(tmp_path / "model")
+    trainer = trainer_for(model, tmp_path, dtype="bfloat16", activation_checkpointing=checkpointing)
+    trainer.step(rows_for(trainer, 0), weight_version=0)
+    assert trainer.optimizer.state and all(p.grad is None for p in trainer.model.parameters())
+    trainer.live_weights()
+    trainer.capture_state()
+    alive = [weakref.ref(trainer), weakref.ref(trainer.model), weakref.ref(trainer.head.weight)]
+    gc.disable()
+    try:
+        del trainer
+        assert [ref() is None for ref in alive] == [True] * len(alive)
+    finally:
+        gc.enable()
 
 
 def test_a_tied_embedding_is_copied_and_saved_once_and_restored_tied(tmp_path: Path) -> None:

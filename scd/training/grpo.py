@@ -98,9 +98,6 @@ class GRPOTrainer:
 
             for layer in policy.decoder_layers(self.model):
                 checkpoint(layer)
-        # The logprobs are computed through the model, as its forward is: sharded, FSDP gathers the root's
-        # parameters (embedding, final norm, output head) around it and reduces their gradients after.
-        self.model.scd_completion_logprobs = self._completion_logprobs
         # FSDP casts the parameters to the compute dtype; in this process autocast does.
         self._autocast = not sharded and self.compute_dtype != master
         if sharded:
@@ -109,6 +106,11 @@ class GRPOTrainer:
             from scd.training.sharding import shard_model
 
             self.world_size = shard_model(self.model, policy, config.trainer, self.compute_dtype, master)
+            # The logprobs are computed through the model, as its forward is: FSDP gathers the root's
+            # parameters (embedding, final norm, output head) around it and reduces their gradients after.
+            # Only sharded: the model holding a method of its trainer keeps both alive in a reference cycle
+            # until a garbage collection, and a rank's trainer lives as long as its process anyway.
+            self.model.scd_completion_logprobs = self._completion_logprobs
             register_fsdp_forward_method(self.model, "scd_completion_logprobs")
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=self.cfg.lr, weight_decay=self.cfg.weight_decay
@@ -192,7 +194,7 @@ class GRPOTrainer:
         (scd.model.sampling), and the entropy there, ``[rows, length - 1]``; 0 outside the completions (``mask``).
         A token outside the new weights' top-k / top-p set has logprob -inf: ratio 0, kept out of the gradient
         by the clip."""
-        return self.model.scd_completion_logprobs(tokens, mask)
+        return (self.model.scd_completion_logprobs if self.sharded else self._completion_logprobs)(tokens, mask)
 
     def _completion_logprobs(self, tokens: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         at = mask.bool()
@@ -241,10 +243,11 @@ class GRPOTrainer:
         if self.cfg.entropy_coef:
             loss = loss - self.cfg.entropy_coef * entropy_sum / step_tokens
 
-        self.optimizer.zero_grad(set_to_none=True)
         (loss * self.world_size).backward()
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm)
         self.optimizer.step()
+        # Freed now, not at the next step: a weight sync's model-dtype copy and a capture come in between.
+        self.optimizer.zero_grad(set_to_none=True)
         with torch.no_grad():
             clipped_tokens = (((ratio - 1).abs() > self.cfg.clip_eps).float() * mask).sum()
             on_policy = torch.tensor([r.weight_version == weight_version and r.single_version for r in rows],
