@@ -80,6 +80,12 @@ class ScoringStage:
             self._queued += 1
             self._to_score.send_nowait(sibling)
 
+    def resumed(self, step: int) -> None:
+        """The run restored a bundle of ``step``: past step 0 its rewards have answered before (groups were
+        trained), so a service down at this start is waited for, never refused as one that never answered."""
+        if step > 0:
+            self._scorer.answered_before()
+
     def statistics(self) -> ScoringStatistics:
         outage = self._scorer.outage()
         return ScoringStatistics(scored=self._scored, queued=self._queued, scoring=self._scoring,

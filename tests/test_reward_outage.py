@@ -17,6 +17,7 @@ import orjson
 import pytest
 
 from scd.config import parse_config
+from scd.errors import ConfigError
 from scd.evaluation import Evaluation, eval_prompts
 from scd.generation import open_backend
 from scd.model.policy import build_policy
@@ -132,10 +133,10 @@ async def test_an_outage_asks_again_only_what_did_not_answer_so_each_reward_is_p
             await tg.start(stage.run, siblings())
             await wait_for(lambda: stage.statistics().unavailable, "the outage is reported")
             assert "reward 'remote'" in stage.statistics().unavailable and service.url in stage.statistics().unavailable
-            # The batch is refused at least three times (its waits: 1 s, then 2 s) before the service comes up.
-            # (The calls counted: the judge's and the sandbox's, one per sibling, and one per HTTP request.)
-            await wait_for(lambda: scorer.statistics().calls >= 2 * GROUPS * GROUP_SIZE + 3, "three refused attempts")
-            assert not scored
+            # The batch is refused three times (its waits: 1 s, then 2 s) before the service comes up; the HTTP
+            # reward is asked first, so meanwhile the others are paid nothing (the calls counted are its requests).
+            await wait_for(lambda: scorer.statistics().calls >= 3, "three refused attempts")
+            assert not scored and not calls(tmp_path, "judge") and not calls(tmp_path, "sandbox")
             await anyio.to_thread.run_sync(service.start)
             await wait_for(lambda: len(scored) == GROUPS * GROUP_SIZE, "every sibling scored")
             assert stage.statistics().unavailable == ""
@@ -210,8 +211,7 @@ async def test_an_eval_waits_out_a_reward_outage_paying_each_reward_once_per_sam
                         evaluated.append(await Evaluation(config, prompts, backend, scorer, policy).run(0, 0))
 
                     tg.start_soon(evaluate)
-                    await wait_for(lambda: scorer.statistics().calls >= EVAL_ROWS * EVAL_SAMPLES + 2,
-                                   "two refused attempts")
+                    await wait_for(lambda: scorer.statistics().calls >= 2, "two refused attempts")
                     assert "reward 'remote'" in scorer.outage().why and not evaluated
                     await anyio.to_thread.run_sync(service.start)
             finally:
@@ -224,3 +224,55 @@ async def test_an_eval_waits_out_a_reward_outage_paying_each_reward_once_per_sam
     judged = calls(tmp_path, "judge")
     assert sum(judged.values()) == EVAL_ROWS * EVAL_SAMPLES
     assert Counter(item["completion"] for item in service.items()) == judged
+
+
+async def test_a_service_that_never_answered_is_refused_after_the_start_timeout_one_that_answered_is_waited_for(
+        tmp_path: Path) -> None:
+    """task.reward_start_timeout_s: a URL nobody listens on is refused (ConfigError, exit 2) naming the reward's
+    key and URL; a service that answered once and then went down is waited for past that timeout."""
+    nobody = f"http://127.0.0.1:{free_port()}/score"
+    task = parse_config({"task": {"rewards": [http_reward(nobody)], "reward_start_timeout_s": 1.0}}, tmp_path).task
+    async with contextlib.aclosing(load_rewards(task, tmp_path)) as scorer:
+        stage = ScoringStage(scorer, PROMPTS, decode, lambda *_: None)
+        with anyio.fail_after(WAIT_S), pytest.RaisesGroup(ConfigError, flatten_subgroups=True) as refused:
+            await stage.run(siblings())
+    message = str(refused.value.exceptions[0])
+    assert "config key 'task.rewards[0].args.url'" in message and nobody in message
+    assert "has not answered once" in message and "task.reward_start_timeout_s = 1" in message
+
+    service = RewardService(free_port(), tmp_path / "served.jsonl")
+    task = parse_config({"task": {"rewards": [http_reward(service.url)], "reward_start_timeout_s": 1.0}},
+                        tmp_path).task
+    first, second = siblings()[:GROUP_SIZE], siblings()[GROUP_SIZE:]
+    scored: list[SiblingToScore] = []
+    try:
+        await anyio.to_thread.run_sync(service.start)
+        async with contextlib.aclosing(load_rewards(task, tmp_path)) as scorer, anyio.create_task_group() as tg:
+            stage = ScoringStage(scorer, PROMPTS, decode, lambda sibling, _: scored.append(sibling))
+            await tg.start(stage.run, first)
+            await wait_for(lambda: len(scored) == GROUP_SIZE, "the first group scored")
+            await anyio.to_thread.run_sync(service.stop)
+            for sibling in second:
+                stage.submit(sibling)
+            # Refused (retries at 1 s, then 2 s) for longer than the start timeout, and still waiting.
+            await wait_for(lambda: scorer.outage().seconds > 2.5, "an outage past the start timeout")
+            await anyio.to_thread.run_sync(service.start)
+            await wait_for(lambda: len(scored) == GROUPS * GROUP_SIZE, "the second group scored")
+            tg.cancel_scope.cancel()
+    finally:
+        service.stop()
+
+
+async def test_a_run_resumed_past_step_0_waits_for_a_service_down_at_its_start_past_the_start_timeout(
+        tmp_path: Path) -> None:
+    """A restart during an outage: the run trained before, so its reward answered in an earlier process, and
+    the outage is waited out, not refused with exit 2 (which systemd would not restart)."""
+    nobody = f"http://127.0.0.1:{free_port()}/score"
+    task = parse_config({"task": {"rewards": [http_reward(nobody)], "reward_start_timeout_s": 1.0}}, tmp_path).task
+    async with contextlib.aclosing(load_rewards(task, tmp_path)) as scorer, anyio.create_task_group() as tg:
+        stage = ScoringStage(scorer, PROMPTS, decode, lambda *_: None)
+        stage.resumed(3)
+        await tg.start(stage.run, siblings())
+        await wait_for(lambda: scorer.outage().seconds > 2.5, "an outage past the start timeout")
+        assert nobody in stage.statistics().unavailable
+        tg.cancel_scope.cancel()

@@ -174,9 +174,25 @@ def test_a_failing_reward_stops_the_run_with_exit_1_naming_it_and_the_last_bundl
     assert f"step {newest + 2} version {newest + 2} " in second.output()
 
 
+def test_an_http_reward_whose_url_never_answers_stops_the_run_with_exit_2_naming_the_url(
+        tmp_path: Path, scd_processes: list[ScdProcess], session_ray: str) -> None:
+    """task.reward_start_timeout_s: a wrong URL (nobody listens there) does not wait for ever."""
+    url = f"http://127.0.0.1:{free_port()}/score"
+    config = write_config(tmp_path, ray_address=session_ray, max_steps=100_000, extra=(
+        f'\n[[task.rewards]]\nfunction = "http"\nname = "remote"\nargs = {{ url = "{url}", retries = 0 }}\n'))
+    config.write_text(config.read_text().replace('[task]\n', '[task]\nreward_start_timeout_s = 5\n'))
+    run = ScdProcess(config)
+    scd_processes.append(run)
+    assert run.wait(timeout=300) == 2, run.output()[-3000:]
+    said = run.output()
+    assert "scd: error: config key 'task.rewards[0].args.url': reward 'remote': " + url in said, said[-3000:]
+    assert "has not answered once" in said and "task.reward_start_timeout_s = 5" in said
+
+
 # ---- an outage of the reward service, then a SIGKILL ------------------------------------------
 
 OUTAGE_S = 30.0
+START_TIMEOUT_S = 5
 
 
 @pytest.fixture
@@ -187,11 +203,14 @@ def reward_service(tmp_path: Path) -> Any:
 
 
 def fetch(port: int, path: str) -> tuple[int, str]:
+    """The status and body of ``path``; (0, "") while nothing listens on ``port`` yet."""
     try:
         with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as answer:
             return answer.status, answer.read().decode()
     except urllib.error.HTTPError as refused:
         return refused.code, refused.read().decode()
+    except urllib.error.URLError:
+        return 0, ""
 
 
 def metric(port: int, name: str) -> float:
@@ -200,19 +219,43 @@ def metric(port: int, name: str) -> float:
                or line.startswith(name + "{"))
 
 
-def test_a_reward_outage_then_a_sigkill_loses_no_prompt_and_rescores_or_regenerates_nothing(
+# A second reward beside the remote one, an async judge that notes each completion it is paid for.
+COUNTING = """
+import json
+import os
+from pathlib import Path
+
+async def judge(prompt, completion, answer, row):
+    with (Path(__file__).parent / os.environ["COUNTED"]).open("a") as out:
+        out.write(json.dumps({"row": row, "completion": completion}) + "\\n")
+    return 1.0
+"""
+
+
+def counted(path: Path) -> Counter[int]:
+    """The judge's calls by row id."""
+    return Counter(orjson.loads(line)["row"]["id"] for line in path.read_bytes().splitlines()) if path.exists() \
+        else Counter()
+
+
+def test_a_reward_outage_then_a_sigkill_pays_each_reward_once_per_sibling_and_regenerates_nothing(
         tmp_path: Path, scd_processes: list[ScdProcess], session_ray: str, reward_service: RewardService) -> None:
+    """Issue 51's done-when: the remote reward down ~30 s mid-run beside a counting judge, a checkpoint and a
+    SIGKILL during the outage, a restore: each reward is paid once for every sibling, nothing regenerated."""
     port = free_port()
     dataset = write_dataset(tmp_path)
+    (tmp_path / "counting_judge.py").write_text(COUNTING)
     config = write_config(tmp_path, ray_address=session_ray, max_steps=100_000, port=port, extra=(
         f'\n[[task.rewards]]\nfunction = "http"\nname = "remote"\n'
         f'args = {{ url = "{reward_service.url}", retries = 1, backoff_s = 0.1, timeout_s = 5.0 }}\n'
+        '\n[[task.rewards]]\nfunction = "counting_judge:judge"\nname = "judge"\n'
         "\n[checkpointing]\nenabled = true\ninterval_s = 3600\nkeep_last = 5\n"))
-    config.write_text(config.read_text().replace('name = "reverse"\nsize = 64\n',
-                                                 f'name = "jsonl"\npath = "{dataset}"\n'))
+    config.write_text(config.read_text().replace(
+        'name = "reverse"\nsize = 64\n',
+        f'name = "jsonl"\npath = "{dataset}"\nreward_start_timeout_s = {START_TIMEOUT_S}\n'))
     root = tmp_path / "out" / "checkpoints"
     reward_service.start()
-    first = ScdProcess(config)
+    first = ScdProcess(config, env={"COUNTED": "counted-before.jsonl"})
     scd_processes.append(first)
     first.wait_for_line("step 3 ")
 
@@ -231,6 +274,8 @@ def test_a_reward_outage_then_a_sigkill_loses_no_prompt_and_rescores_or_regenera
     time.sleep(max(0.0, OUTAGE_S - (time.monotonic() - down_at)))
     assert first.proc.poll() is None, "the run exited over a reward outage"
     first.kill_group()  # SIGKILL while siblings wait for their scores
+    # The remote reward is asked first: through the outage the judge was paid for nothing it did not answer.
+    assert counted(tmp_path / "counted-before.jsonl") == Counter(i["row"]["id"] for i in reward_service.items())
 
     sidecar = decode(bundle / layout.SIDECAR_FILE, Sidecar)
     in_flight = {e.group_id: e for e in sidecar.ledger.entries if e.state == "in_flight"}
@@ -244,9 +289,14 @@ def test_a_reward_outage_then_a_sigkill_loses_no_prompt_and_rescores_or_regenera
     assert sum(owed.values()) > 0, "the checkpoint holds no complete group waiting for its scores"
 
     reward_service.log = tmp_path / "scored-after.jsonl"
-    reward_service.start()
-    second = ScdProcess(config)
+    second = ScdProcess(config, env={"COUNTED": "counted-after.jsonl"})
     scd_processes.append(second)
+    # Restarted while the service is still down: the run trained before, so its reward answered in an earlier
+    # process, and it is waited for past task.reward_start_timeout_s, not refused with exit 2.
+    wait_until(lambda: "scoring has waited" in fetch(port, "/readyz")[1], 240, "the restored run waits for the reward")
+    time.sleep(START_TIMEOUT_S + 5)
+    assert second.proc.poll() is None, second.output()[-3000:]
+    reward_service.start()
     step = layout.step_of(bundle)
     assert step is not None
     second.wait_for_line(f"step {step + 4} ")
@@ -267,9 +317,12 @@ def test_a_reward_outage_then_a_sigkill_loses_no_prompt_and_rescores_or_regenera
     for group_id, count in owed.items():
         row_id = int(group_id.removeprefix("e0-p"))
         assert scored_after[row_id] == count, group_id
+        assert counted(tmp_path / "counted-after.jsonl")[row_id] == count, group_id
         for tokens in finished.get(group_id, {}).values():
             assert texts_after[(row_id, policy.decode(tokens))] >= 1, group_id
     # Every prompt in flight at the cut reached a terminal or in-flight state again in the last bundle.
     final = decode(layout.finalized_bundles(root)[-1] / layout.SIDECAR_FILE, Sidecar)
     states = {e.group_id: e.state for e in final.ledger.entries}
     assert all(states.get(g) in ("ready", "consumed", "in_flight") for g in in_flight)
+    # After the restore too, each reward was paid as often as the other for every prompt.
+    assert counted(tmp_path / "counted-after.jsonl") == scored_after

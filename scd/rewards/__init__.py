@@ -26,10 +26,12 @@ retries, is no failure of the completion, and neither is a Python reward that ra
 as its cause): ``score`` raises ``RewardUnavailable`` whatever ``task.reward_errors`` says, carrying every
 answer the other rewards (and the HTTP sub-batches that were answered) gave, and the caller
 (``scd.scoring.scores_when_available``) waits for the service and asks again, handing those answers back,
-so only what did not answer is asked again: no reward is paid twice for a completion.  Scoring an outage
+so only what did not answer is asked again: no reward is paid twice for a completion.  The HTTP rewards are
+asked first and the others once they answered, so an HTTP outage pays nothing else meanwhile.  Scoring an outage
 0 would train the policy on noise for as long as it lasts.  An HTTP reward whose service has never answered
 since scd started is refused (``ConfigError``, exit 2, naming its URL) once ``task.reward_start_timeout_s``
-has passed since its first request: a wrong URL fails the run instead of waiting for ever.
+has passed since its first request (``Scorer.answered_before``: not in a run resumed past step 0, whose
+rewards answered in an earlier process): a wrong URL fails the run instead of waiting for ever.
 """
 
 from __future__ import annotations
@@ -269,6 +271,10 @@ class _HttpReward:
         self._first_request_at: float | None = None  # time.monotonic() of this process's first request
         self._answered = False  # whether the service ever answered this process (2xx)
 
+    def answered_before(self) -> None:
+        """The run's service answered in an earlier process: it is never refused for not answering now."""
+        self._answered = True
+
     def never_answered_refusal(self, start_timeout_s: float, detail: str) -> ConfigError | None:
         """The refusal of a service that has not answered once in ``start_timeout_s`` since the first request
         (a wrong URL, or a service never started), or None while it may still come up or once it answered."""
@@ -382,6 +388,12 @@ class Scorer:
         self._zero_errors = zero_errors
         self._start_timeout_s = start_timeout_s  # 0: a service that never answered is waited for as long as any
         self._outages: dict[str, tuple[str, float]] = {}  # reward name -> (what its last call met, since when)
+        # The HTTP rewards are asked first, the others once those answered: while a service is down nothing else
+        # is paid for the completions that wait, so a crash meanwhile loses no answer that would be paid again
+        # after the restore (a bundle holds a completion's score once every reward answered).  The price: a
+        # Python reward's latency adds to the HTTP reward's instead of overlapping it.
+        http = [index for index, reward in enumerate(self._rewards) if isinstance(reward, _HttpReward)]
+        self._phases = [phase for phase in (http, [i for i in range(len(self._rewards)) if i not in http]) if phase]
         self._counts = _Counts()
         # The pool starts its workers on its first call: a scorer is made before there is an event loop.
         self._context = _Context(timeout_s=timeout_s, counts=self._counts,
@@ -398,28 +410,16 @@ class Scorer:
         items = list(inputs)
         if answers is None:
             answers = Answers([[None] * len(items) for _ in self._rewards])
-        asked = [answers.missing(index) for index in range(len(self._rewards))]
-        replies = await _gather([partial(reward.evaluate, [items[i] for i in indices], self._context)
-                                 for reward, indices in zip(self._rewards, asked, strict=True)])
-        unavailable: list[tuple[_Reward, Failure]] = []
-        for reward, kept, indices, outcomes in zip(self._rewards, answers.outcomes, asked, replies, strict=True):
-            down = [outcome for outcome in outcomes if isinstance(outcome, Failure) and outcome.cause == "unavailable"]
-            for index, outcome in zip(indices, outcomes, strict=True):
-                if not (isinstance(outcome, Failure) and outcome.cause == "unavailable"):
-                    kept[index] = outcome
-            if down:
-                unavailable.append((reward, down[0]))
-                self._down(reward.name, down[0].detail)
-            elif indices:
-                self._up(reward.name)
-        for reward, failure in unavailable:
-            refusal = (reward.never_answered_refusal(self._start_timeout_s, failure.detail)
-                       if isinstance(reward, _HttpReward) else None)
-            if refusal is not None:
-                raise refusal
-        if unavailable:
-            reward, failure = unavailable[0]
-            raise RewardUnavailable(failure.detail, reward=reward.name, answers=answers)
+        for phase in self._phases:
+            unavailable = await self._ask(phase, items, answers)
+            for reward, failure in unavailable:
+                refusal = (reward.never_answered_refusal(self._start_timeout_s, failure.detail)
+                           if isinstance(reward, _HttpReward) else None)
+                if refusal is not None:
+                    raise refusal
+            if unavailable:
+                reward, failure = unavailable[0]
+                raise RewardUnavailable(failure.detail, reward=reward.name, answers=answers)
         # Every reward has answered on every input by now.
         outcomes = [[outcome for outcome in kept if outcome is not None] for kept in answers.outcomes]
         failures = [(reward, item, outcome) for reward, by_item in zip(self._rewards, outcomes, strict=True)
@@ -437,6 +437,27 @@ class Scorer:
             raise RewardError(reward.name, reward.function, item.prompt_id, item.where, failure.cause, failure.detail)
         self._counts.errors_zeroed += len(failures)
         return [self._combined([by_item[index] for by_item in outcomes], observe) for index in range(len(items))]
+
+    async def _ask(self, phase: Sequence[int], items: Sequence[RewardInput],
+                   answers: Answers) -> list[tuple[_Reward, Failure]]:
+        """Ask the rewards of ``phase`` (indices) what they have not answered yet, keeping what they answer in
+        ``answers``; each one that did not answer, with what it met."""
+        asked = {index: answers.missing(index) for index in phase}
+        replies = await _gather([partial(self._rewards[index].evaluate, [items[i] for i in missing], self._context)
+                                 for index, missing in asked.items()])
+        unavailable: list[tuple[_Reward, Failure]] = []
+        for (index, missing), outcomes in zip(asked.items(), replies, strict=True):
+            reward, kept = self._rewards[index], answers.outcomes[index]
+            down = [outcome for outcome in outcomes if isinstance(outcome, Failure) and outcome.cause == "unavailable"]
+            for item, outcome in zip(missing, outcomes, strict=True):
+                if not (isinstance(outcome, Failure) and outcome.cause == "unavailable"):
+                    kept[item] = outcome
+            if down:
+                unavailable.append((reward, down[0]))
+                self._down(reward.name, down[0].detail)
+            elif missing:
+                self._up(reward.name)
+        return unavailable
 
     def _combined(self, outcomes: Sequence[Outcome], observe: bool) -> Scored:
         total = 0.0
@@ -461,6 +482,14 @@ class Scorer:
 
     def statistics(self) -> ScorerStatistics:
         return ScorerStatistics(**dataclasses.asdict(self._counts), pool=self._context.pool.statistics())
+
+    def answered_before(self) -> None:
+        """The run resumed past its first step, so every reward answered in an earlier process: an outage at
+        this start is waited out, not refused by ``task.reward_start_timeout_s`` (a restart during an outage
+        must not end a run that systemd then would not restart)."""
+        for reward in self._rewards:
+            if isinstance(reward, _HttpReward):
+                reward.answered_before()
 
     def outage(self) -> Outage:
         """The rewards whose service did not answer their last call (the stage's and an eval's alike)."""
