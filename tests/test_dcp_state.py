@@ -8,6 +8,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import shutil
+import threading
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
@@ -28,8 +29,10 @@ from scd.training.dcp_state import (
     METADATA_FILE,
     TrainerStateManifest,
     TrainerStateRefused,
+    capture_trainer_state,
     load_trainer_state,
     save_trainer_state,
+    write_trainer_state,
 )
 
 VOCAB, ROWS, TOKENS = 2048, 4, 16
@@ -141,6 +144,27 @@ def refuse_torn_then_load_and_continue(work: Path) -> None:
         write_json(work / "resumed.json", losses)
 
 
+def capture_then_write_beside_a_step(work: Path) -> None:
+    """Capture at a step boundary, then write the capture on a thread over a process group of its own while the
+    next step runs its collectives on the default group."""
+    writer_group = dist.new_group(backend="gloo")
+    model, optimizer = build()
+    data = batches()
+    for tokens in data[:STEPS_BEFORE_SAVE]:
+        step(model, optimizer, tokens)
+    save_whole_state(model, optimizer, work / "captured.state.pt")
+    captured = capture_trainer_state(model, optimizer)
+    manifests: list[TrainerStateManifest] = []
+    writer = threading.Thread(target=lambda: manifests.append(
+        write_trainer_state(captured, work / "beside", process_group=writer_group)))
+    writer.start()
+    for tokens in data[STEPS_BEFORE_SAVE:]:
+        step(model, optimizer, tokens)
+    writer.join(RANK_TIMEOUT_S)
+    if dist.get_rank() == 0:
+        (work / "beside.manifest.json").write_bytes(msgspec.json.encode(manifests[0]))
+
+
 def rank_main(rank: int, world: int, port: int, job: Callable[[Path], None], work: Path) -> None:
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     torch.set_num_threads(1)
@@ -218,6 +242,29 @@ def test_state_saved_at_two_loads_at_one_and_back_at_two_and_trains_on_as_uninte
     assert_states_equal(torch.load(tmp_path / "second.state.pt", weights_only=True), saved)
     resumed = orjson.loads((tmp_path / "resumed.json").read_bytes())
     assert resumed == pytest.approx(uninterrupted, rel=1e-5)
+
+
+@pytest.mark.slow  # spawns gloo ranks
+def test_a_capture_written_beside_the_next_steps_holds_the_boundarys_state(tmp_path: Path) -> None:
+    run_ranks(2, capture_then_write_beside_a_step, tmp_path)
+    manifest = read_manifest(tmp_path / "beside.manifest.json")
+    assert_manifest_is_the_disk(tmp_path / "beside", manifest)
+    model, optimizer = build()
+    load_trainer_state(model, optimizer, tmp_path / "beside", manifest)
+    assert_states_equal(whole_state(model, optimizer), torch.load(tmp_path / "captured.state.pt", weights_only=True))
+
+
+def test_a_capture_is_a_copy_the_next_step_leaves_alone(tmp_path: Path) -> None:
+    model, optimizer = build()
+    step(model, optimizer, batches()[0])
+    boundary = {part: {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in values.items()}
+                for part, values in whole_state(model, optimizer).items()}
+    captured = capture_trainer_state(model, optimizer)
+    step(model, optimizer, batches()[1])
+    manifest = write_trainer_state(captured, tmp_path / "state")
+    fresh, fresh_optimizer = build()
+    load_trainer_state(fresh, fresh_optimizer, tmp_path / "state", manifest)
+    assert_states_equal(whole_state(fresh, fresh_optimizer), boundary)
 
 
 @pytest.fixture

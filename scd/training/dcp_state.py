@@ -16,8 +16,10 @@ parallel, and a load at any world size reads the slices it needs (DCP reshards N
   unpickled only once its digest matches.
 - World size 1 writes the same format, with no process group (DCP's ``no_dist``).
 
-Every rank of a group must call ``save_trainer_state``/``load_trainer_state`` together (they run collectives).  On a
-thread beside training, pass a process group of its own (``process_group``): collectives of two threads on one
+Every rank of a group must call ``save_trainer_state``/``write_trainer_state``/``load_trainer_state`` together (they
+run collectives).  Off the train step's critical path: ``capture_trainer_state`` (a host copy of the rank's shards,
+at a step boundary) then ``write_trainer_state`` on a thread beside training, over a process group of its own
+(``process_group``, e.g. ``dist.new_group(backend="gloo")`` made once at setup): collectives of two threads on one
 group would interleave.
 """
 
@@ -38,6 +40,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.staging import BlockingAsyncStager
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from scd.errors import InvariantViolation
@@ -180,19 +183,33 @@ def trainer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[st
     return {"model": {name: t for name, t in weights.items() if name not in tied}, "optimizer": optimizer_state}
 
 
-def save_trainer_state(model: nn.Module, optimizer: torch.optim.Optimizer, directory: Path, *,
-                       process_group: dist.ProcessGroup | None = None, thread_count: int = 1) -> TrainerStateManifest:
-    """Write this rank's shards of the weights and optimizer state into ``directory`` (new or empty), digested as
-    written and fsynced; returns the whole manifest on every rank.  Blocking; every rank calls it.
+def capture_trainer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """This rank's part of the state copied to host memory (a sharded tensor stays a DTensor over its copied
+    shard: DCP's own staging), for ``write_trainer_state`` to write while training goes on.  No collective."""
+    return cast(dict[str, Any], BlockingAsyncStager().stage(trainer_state(model, optimizer)))
+
+
+def write_trainer_state(state: dict[str, Any], directory: Path, *, process_group: dist.ProcessGroup | None = None,
+                        thread_count: int = 1) -> TrainerStateManifest:
+    """Write this rank's ``state`` (``trainer_state``'s or ``capture_trainer_state``'s) into ``directory`` (new or
+    empty), each file digested as written and fsynced, ``.metadata`` last; returns the whole manifest on every rank.
+    Blocking; every rank calls it.
 
     The directory's own entries are the caller's to fsync (``scd.checkpoint.layout.fsync_path``) before its commit
     marker, with the rest of the bundle: the commit protocol lives in one place."""
     writer = DigestingFileSystemWriter(directory, thread_count=thread_count)
-    dcp.save(trainer_state(model, optimizer), storage_writer=writer, process_group=process_group)
+    dcp.save(state, storage_writer=writer, process_group=process_group)
     files: dict[str, ShardFile] = {}
     for written in _all_gather(writer.written, process_group):
         files.update(written)
     return TrainerStateManifest(world_size=_rank_and_world(process_group)[1], files=files)
+
+
+def save_trainer_state(model: nn.Module, optimizer: torch.optim.Optimizer, directory: Path, *,
+                       process_group: dist.ProcessGroup | None = None, thread_count: int = 1) -> TrainerStateManifest:
+    """``write_trainer_state`` of the live state: no copy, the model must not change until it returns."""
+    return write_trainer_state(trainer_state(model, optimizer), directory, process_group=process_group,
+                               thread_count=thread_count)
 
 
 def _file_problem(path: Path, expected: ShardFile) -> str | None:
