@@ -15,6 +15,7 @@ from typing import Any
 import anyio
 import orjson
 import pytest
+from aiohttp import web
 
 from scd.config import parse_config
 from scd.errors import ConfigError
@@ -276,3 +277,39 @@ async def test_a_run_resumed_past_step_0_waits_for_a_service_down_at_its_start_p
         await wait_for(lambda: scorer.outage().seconds > 2.5, "an outage past the start timeout")
         assert nobody in stage.statistics().unavailable
         tg.cancel_scope.cancel()
+
+
+async def test_the_http_sub_batches_that_answered_are_not_asked_again(tmp_path: Path) -> None:
+    """A batch goes out in requests of ``batch_size``; the server refuses the first (503) and answers the
+    others: the retry sends only the refused request's completions."""
+    answered: Counter[str] = Counter()
+    requests: list[int] = []
+
+    async def score(request: web.Request) -> web.Response:
+        items = orjson.loads(await request.read())["items"]
+        requests.append(len(items))
+        if len(requests) == 1:
+            return web.Response(status=503)
+        answered.update(item["completion"] for item in items)
+        return web.json_response({"rewards": [0.5] * len(items)})
+
+    app = web.Application()
+    app.router.add_post("/score", score)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    url = f"http://127.0.0.1:{runner.addresses[0][1]}/score"
+    task = parse_config({"task": {"rewards": [http_reward(url, batch_size=4)]}}, tmp_path).task
+    scored: list[str] = []
+    try:
+        async with contextlib.aclosing(load_rewards(task, tmp_path)) as scorer, anyio.create_task_group() as tg:
+            stage = ScoringStage(scorer, PROMPTS, decode,
+                                 lambda sibling, _: scored.append(decode(sibling.completion.token_ids)))
+            await tg.start(stage.run, siblings())
+            await wait_for(lambda: len(scored) == GROUPS * GROUP_SIZE, "every sibling scored")
+            tg.cancel_scope.cancel()
+    finally:
+        await runner.cleanup()
+    # One batch of 16 in four requests of 4, the first refused, then that request's 4 once more.
+    assert requests == [4] * 5
+    assert answered == Counter(text(g, i) for g in range(GROUPS) for i in range(GROUP_SIZE))
