@@ -15,6 +15,7 @@ import shutil
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -24,7 +25,8 @@ import torch
 
 from scd.training.dcp_state import save_trainer_state
 
-GOALS = {"trainer_state_write_vs_disk_100m_world1": ("<=", 1.5)}
+GOALS = {"trainer_state_write_vs_disk_100m_world1": ("<=", 1.5),
+         "trainer_state_save_peak_rss_ratio_100m_world1": ("<=", 1.5)}
 REPEATS = 3
 
 
@@ -44,6 +46,34 @@ def model_and_optimizer() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     return model, optimizer
 
 
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+class PeakRss:
+    """The highest RSS seen, sampled on a thread of its own, from entering to leaving the block."""
+
+    def __init__(self) -> None:
+        self.peak = 0
+        self._done = threading.Event()
+
+    def _sample(self) -> None:
+        while not self._done.wait(0.005):
+            self.peak = max(self.peak, rss_bytes())
+
+    def __enter__(self) -> PeakRss:
+        self.peak = rss_bytes()
+        self._thread = threading.Thread(target=self._sample)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._done.set()
+        self._thread.join()
+        self.peak = max(self.peak, rss_bytes())
+
+
 def raw_write_seconds(path: Path, size: int, block: bytes) -> float:
     """Seconds to write ``size`` bytes of ``block`` to ``path`` and fsync them."""
     started = time.perf_counter()
@@ -61,11 +91,15 @@ def measure(directory: Path) -> dict[str, float]:
     parameters = sum(p.numel() for p in model.parameters())
     block = os.urandom(64 << 20)
     pairs: list[tuple[float, float, int]] = []
+    rises: list[int] = []
     for repeat in range(REPEATS):
         target = directory / f"state-{repeat}"
+        before = rss_bytes()
         started = time.perf_counter()
-        manifest = save_trainer_state(model, optimizer, target)
+        with PeakRss() as peak:
+            manifest = save_trainer_state(model, optimizer, target)
         save_s = time.perf_counter() - started
+        rises.append(peak.peak - before)
         raw_s = raw_write_seconds(directory / "raw.bin", manifest.total_bytes, block)
         pairs.append((save_s, raw_s, manifest.total_bytes))
         shutil.rmtree(target)
@@ -78,6 +112,8 @@ def measure(directory: Path) -> dict[str, float]:
         "trainer_state_write_vs_disk_100m_world1_max": max(ratios),
         "trainer_state_write_s_100m_world1": statistics.median(save_s for save_s, _, _ in pairs),
         "trainer_state_raw_write_s_100m_world1": statistics.median(raw_s for _, raw_s, _ in pairs),
+        "trainer_state_save_peak_rss_ratio_100m_world1": max(rises) / state_bytes,
+        "trainer_state_save_peak_rss_mb_100m_world1": max(rises) / 2**20,
         "trainer_state_bytes_100m": state_bytes,
         "trainer_state_parameters_100m": parameters,
     }
