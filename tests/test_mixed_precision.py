@@ -9,9 +9,11 @@ import pytest
 import torch
 from torch import nn
 
+from bench.trainer_memory import bundle_bytes_ratio, write_tied_llama
 from scd.config import parse_config
 from scd.model.policy import build_policy, state_copy
 from scd.model.sampling import Sampling
+from scd.model.weights import storage_key, unaliased
 from scd.records import Rollout
 from scd.training.grpo import GRPOTrainer
 from scd.training.logprobs import full_token_logprobs, token_logprobs
@@ -123,20 +125,23 @@ def test_activation_checkpointing_and_chunks_change_no_number(tiny_llama: Path, 
         assert torch.allclose(p, q, atol=1e-6, rtol=1e-4)
 
 
-def tied_llama(directory: Path, vocab_size: int = 2048) -> Path:
-    """A random HF Llama whose output head is its embedding (as Qwen2.5-0.5B's), with scd's character
-    tokenizer, written to ``directory``."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+def tied_llama(directory: Path) -> Path:
+    """A small random HF Llama whose output head is its embedding (as Qwen2.5-0.5B's)."""
+    return write_tied_llama(directory, vocab_size=2048, hidden_size=64, layers=2, heads=2)
 
-    from scd.model.init_tiny import write_tokenizer
 
-    directory.mkdir(parents=True, exist_ok=True)
-    write_tokenizer(directory)
-    torch.manual_seed(0)
-    LlamaForCausalLM(LlamaConfig(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                 num_attention_heads=2, num_key_value_heads=2, tie_word_embeddings=True)
-                     ).save_pretrained(directory)
-    return directory
+def test_a_tied_embedding_is_cast_and_synced_once_and_the_bundle_holds_unique_bytes(tmp_path: Path) -> None:
+    """bf16 over fp32 masters at world size 1: the model-dtype copy a weight sync sends casts the tied
+    embedding once, so the sync (``unaliased``, as the transfer and the reload read it) sends each storage
+    once, while every name the receiver looks up is there."""
+    trainer = trainer_for(tied_llama(tmp_path / "model"), tmp_path, dtype="bfloat16")
+    trainer.step(rows_for(trainer, 0), weight_version=0)
+    live = trainer.live_weights()
+    assert list(live) == list(trainer.model.state_dict())
+    assert live["lm_head.weight"] is live["model.embed_tokens.weight"]
+    unique = {storage_key(t) for t in trainer.model.state_dict().values()}
+    assert len(unaliased(live)) == len(unique) == len(live) - 1
+    assert bundle_bytes_ratio(trainer, tmp_path) <= 1.02
 
 
 @pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "activation_checkpointing"])

@@ -24,6 +24,7 @@ from scd.records import Rollout
 from scd.training.group import TrainerGroup, rank_actor
 from scd.training.grpo import GRPOTrainer
 from tests.conftest import ScdProcess, tiny_config, tree_digest, write_config
+from tests.test_mixed_precision import tied_llama
 from tests.test_process import metric, scrape
 
 CHECKPOINTS_ON_REQUEST = "\n[checkpointing]\nenabled = true\ninterval_s = 3600\n"
@@ -125,11 +126,13 @@ async def test_two_ranks_train_exactly_as_one_and_their_state_moves_between_worl
         await anyio.to_thread.run_sync(assert_close, weights_of(one.model), two.live_weights())
 
 
-async def test_bf16_ranks_keep_fp32_masters_that_all_move_at_lr_1e_6_and_export_bf16(
-        tmp_path: Path, tq_session: None, tiny_llama: Path) -> None:
-    """Mixed precision on ranks as in scd's process: FSDP computes in ``model.dtype`` over fp32 masters."""
+async def test_bf16_ranks_keep_fp32_masters_that_all_move_at_lr_1e_6_and_export_bf16_tied_once(
+        tmp_path: Path, tq_session: None) -> None:
+    """Mixed precision on ranks as in scd's process: FSDP computes in ``model.dtype`` over fp32 masters.  On a
+    tied Llama (its output head is its embedding), the tied tensor is gathered, saved and exported once."""
+    model = tied_llama(tmp_path / "tied-llama")
     config = tiny_config(tmp_path, "unused", trainer={"groups_per_step": GROUPS, "world_size": 2, "lr": 1e-6},
-                         model={"name": str(tiny_llama), "dtype": "bfloat16"}, data_plane={"ray": {"num_cpus": 5}})
+                         model={"name": str(model), "dtype": "bfloat16"}, data_plane={"ray": {"num_cpus": 5}})
 
     async def saved_state(name: str) -> tuple[dict[str, torch.Tensor], dict]:
         directory = tmp_path / name
@@ -150,6 +153,12 @@ async def test_bf16_ranks_keep_fp32_masters_that_all_move_at_lr_1e_6_and_export_
         exported = two.live_weights()
         dtypes = await anyio.to_thread.run_sync(lambda: {exported[name].dtype for name in exported})
         assert dtypes == {torch.bfloat16}
+
+        # The tied tensor: one in the bundle (loaded back under both names), one in a sync.
+        assert after["lm_head.weight"] is after["model.embed_tokens.weight"]
+        unique = {id(t): t.numel() * t.element_size() for t in after.values()}
+        assert (tmp_path / "after" / "model.pt").stat().st_size <= 1.02 * sum(unique.values())
+        assert len(exported) == len(unique) == len(after) - 1 and "lm_head.weight" not in list(exported)
 
 
 async def test_ranks_that_cannot_be_placed_exit_2_naming_what_was_asked_and_what_the_cluster_has(

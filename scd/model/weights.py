@@ -68,15 +68,23 @@ class ChunkedWeights(Mapping[str, torch.Tensor]):
         return len(self.entries)
 
 
+StorageKey = tuple[int, int, torch.Size, torch.dtype]
+
+
+def storage_key(tensor: torch.Tensor) -> StorageKey:
+    """Equal for two tensors that are the same memory seen alike: a tied embedding under its two names."""
+    return tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tensor.shape, tensor.dtype
+
+
 def unaliased(weights: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
     """``weights`` without tensors that alias an earlier one (tied embeddings): what a checkpoint holds
     and a sync sends.  A ``ChunkedWeights`` is built that way."""
     if isinstance(weights, ChunkedWeights):
         return weights
-    seen: set[tuple[int, int, torch.Size, torch.dtype]] = set()
+    seen: set[StorageKey] = set()
     out: dict[str, torch.Tensor] = {}
     for name, tensor in weights.items():
-        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tensor.shape, tensor.dtype)
+        key = storage_key(tensor)
         if key not in seen:
             seen.add(key)
             out[name] = tensor

@@ -145,7 +145,8 @@ def rank_actor() -> Any:
             self.trainer = GRPOTrainer(config, build_policy(config.model, config.run.seed), sharded=True)
             seen: set[int] = set()
             entries = []
-            for name, tensor in self.trainer.model.state_dict().items():
+            # The parameters themselves (``keep_vars``): a tied one is one object under both names.
+            for name, tensor in self.trainer.model.state_dict(keep_vars=True).items():
                 if id(tensor) in seen:  # a tied weight is sent once, as a checkpoint holds it
                     continue
                 seen.add(id(tensor))

@@ -20,7 +20,7 @@ import torch
 from scd.config import Config
 from scd.model.policy import Policy, state_copy
 from scd.model.sampling import Sampling
-from scd.model.weights import save_digested
+from scd.model.weights import StorageKey, save_digested, storage_key
 from scd.records import Rollout
 from scd.telemetry import metrics
 from scd.training.base import StepResult, StepShare, TrainerStatistics
@@ -123,9 +123,16 @@ class GRPOTrainer:
     def live_weights(self) -> dict[str, torch.Tensor]:
         """What a weight sync sends: the model's own tensors where they live (no copy), or in ``model.dtype``
         when the masters are kept in another.  Valid until the next optimizer step; a generation backend that
-        keeps them past the sync must copy them."""
-        state = self.model.state_dict()
-        return {name: t.to(self.model_dtype) if t.is_floating_point() else t for name, t in state.items()}
+        keeps them past the sync must copy them.  A tied tensor (an embedding that is also the output head)
+        is cast once and stays one tensor under both names, so a sync sends it once (``unaliased``)."""
+        cast: dict[StorageKey, torch.Tensor] = {}
+        out = {}
+        for name, tensor in self.model.state_dict().items():
+            key = storage_key(tensor)
+            if key not in cast:
+                cast[key] = tensor.to(self.model_dtype) if tensor.is_floating_point() else tensor
+            out[name] = cast[key]
+        return out
 
     def state_copy(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         """Weights and optimizer state copied to host memory, for a checkpoint written while training goes on.

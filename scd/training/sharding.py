@@ -13,7 +13,6 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
-    get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
     set_optimizer_state_dict,
@@ -42,11 +41,40 @@ def _parameter_names(model: nn.Module) -> list[str]:
     return [name for name, _ in model.named_parameters()]
 
 
+def _whole(tensor: torch.Tensor) -> torch.Tensor:
+    """A rank's tensor whole: gathered from every rank's shard (a collective) if it is sharded."""
+    from torch.distributed.tensor import DTensor
+
+    return (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach()
+
+
+def full_weights(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The whole weights on rank 0 (host memory), an empty dict elsewhere; every rank must call it.  A tied
+    tensor (an embedding that is also the output head) is gathered once and stays one tensor under both
+    names: saved once, loaded back into the one parameter."""
+    import torch.distributed as dist
+
+    keep = dist.get_rank() == 0
+    first_name: dict[int, str] = {}
+    weights: dict[str, torch.Tensor] = {}
+    # The parameters themselves (``keep_vars``): a tied one is one object under both names.
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        if id(tensor) in first_name:
+            if keep:
+                weights[name] = weights[first_name[id(tensor)]]
+            continue
+        first_name[id(tensor)] = name
+        whole = _whole(tensor)  # every rank, in the same order
+        if keep:
+            weights[name] = whole.to("cpu", copy=True)
+    return weights
+
+
 def full_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """The whole state on rank 0 (host memory), empty dicts elsewhere; every rank must call it."""
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    weights = get_model_state_dict(model, options=options)
-    by_name = get_optimizer_state_dict(model, optimizer, options=options)
+    weights = full_weights(model)
+    by_name = get_optimizer_state_dict(model, optimizer,
+                                       options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if not weights:
         return {}, {}
     from torch.distributed.tensor import DTensor
@@ -82,9 +110,6 @@ def load_full_state(model: nn.Module, optimizer: torch.optim.Optimizer,
 def gathered(model: nn.Module, names: list[str], dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """The whole tensors of ``names`` (host memory), floating ones in ``dtype``; every rank must call it with
     the same names."""
-    from torch.distributed.tensor import DTensor
-
     own = model.state_dict()
-    whole = {name: (own[name].full_tensor() if isinstance(own[name], DTensor) else own[name]).detach()
-             for name in names}
+    whole = {name: _whole(own[name]) for name in names}
     return {name: t.to("cpu", dtype if t.is_floating_point() else t.dtype) for name, t in whole.items()}
