@@ -17,6 +17,7 @@ from torch import nn
 
 from scd.config import ModelConfig
 from scd.errors import ConfigError
+from scd.model.weights import StorageKey, storage_key
 
 TINY = "tiny"
 
@@ -155,6 +156,31 @@ class TinyPolicy:
         return model.blocks.layers
 
 
+class OutputHead(nn.Module):
+    """A Hugging Face model's logits from its final hidden states, as its ``forward`` computes them: the output
+    head, then Cohere's ``logit_scale`` (multiplied), Granite's ``logits_scaling`` (divided by) or Gemma-2's
+    ``final_logit_softcapping`` (``cap · tanh(logits / cap)``), in the head's dtype."""
+
+    def __init__(self, head: nn.Module, *, scale: float, divisor: float, softcap: float | None) -> None:
+        super().__init__()
+        self.head = head
+        self.scale, self.divisor, self.softcap = scale, divisor, softcap
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.head.weight
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.head(hidden)
+        if self.scale != 1.0:
+            logits = logits * self.scale
+        if self.divisor != 1.0:
+            logits = logits / self.divisor
+        if self.softcap:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits
+
+
 class HFPolicy:
     """A local Hugging Face causal LM directory (``config.json``, safetensors, tokenizer files)."""
 
@@ -204,14 +230,27 @@ class HFPolicy:
         return model.get_decoder()(input_ids=tokens, use_cache=False).last_hidden_state
 
     def output_head(self, model: nn.Module) -> nn.Module:
-        # Logits that are more than the head of the hidden states (Gemma's soft-capping, a logit scale) would
-        # come out wrong from the hidden states: such a model trains through ``logits`` only.
         config = model.config
-        if getattr(config, "final_logit_softcapping", None) or getattr(config, "logit_scale", 1.0) != 1.0:
-            raise ConfigError("model.name", f"{self.model_dir}: its logits are scaled or soft-capped after the "
-                                            "output head, which chunked logprobs do not do; train it at "
-                                            "trainer.world_size > 1")
-        return model.get_output_embeddings()
+        head = OutputHead(model.get_output_embeddings(),
+                          scale=getattr(config, "logit_scale", None) or 1.0,
+                          divisor=getattr(config, "logits_scaling", None) or 1.0,
+                          softcap=getattr(config, "final_logit_softcapping", None))
+        # The trainer's logprobs come from the head of the hidden states, a chunk at a time: a model whose
+        # logits are something else would train on wrong numbers without a word.
+        probe = torch.arange(min(8, head.weight.shape[0]), device=head.weight.device)[None]
+        was_training = model.training
+        with torch.no_grad():
+            model.eval()
+            logits = self.logits(model, probe)
+            gap = float((head(self.hidden(model, probe)).float() - logits).abs().max())
+            model.train(was_training)
+        if gap > 1e-3 * max(1.0, float(logits.abs().max())):
+            raise ConfigError("model.name", f"{self.model_dir} ({type(model).__name__}): its logits differ from "
+                                            f"its output head's of the final hidden states by up to {gap:.3g}; scd "
+                                            "computes logprobs from the hidden states and knows a logit scale "
+                                            "(logit_scale, logits_scaling) and soft-capping "
+                                            "(final_logit_softcapping) only: this architecture cannot be trained")
+        return head
 
     def decoder_layers(self, model: nn.Module) -> nn.ModuleList:
         # Llama, Qwen, Mistral and most decoder-only HF models keep their blocks at model.model.layers.
@@ -236,10 +275,10 @@ def state_copy(model: nn.Module) -> dict[str, torch.Tensor]:
     """A detached host-memory copy of the weights, safe to hand to another thread.  Tied tensors (an
     embedding shared with the output head) are copied once and stay one tensor under both names: saved
     once, and loaded back into the one parameter they share."""
-    copies: dict[tuple[int, int, torch.Size, torch.dtype], torch.Tensor] = {}
+    copies: dict[StorageKey, torch.Tensor] = {}
     out = {}
     for name, tensor in model.state_dict().items():
-        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tensor.shape, tensor.dtype)
+        key = storage_key(tensor)
         if key not in copies:
             copies[key] = tensor.detach().to("cpu", copy=True)
         out[name] = copies[key]
