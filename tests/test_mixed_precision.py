@@ -3,6 +3,7 @@ a chunk of tokens at a time with the plain computation's numbers and gradients."
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import pytest
@@ -15,7 +16,7 @@ from scd.model.policy import build_policy, state_copy
 from scd.model.sampling import Sampling
 from scd.model.weights import storage_key, unaliased
 from scd.records import Rollout
-from scd.training.grpo import GRPOTrainer
+from scd.training.grpo import CopiedState, GRPOTrainer, HostBuffers
 from scd.training.logprobs import full_token_logprobs, token_logprobs
 
 
@@ -216,3 +217,27 @@ def test_the_gpu_bench_runs_its_tiny_shape_on_the_cpu(tmp_path: Path) -> None:
     assert tiny["groups_fit"] >= 1 and tiny["step_s"] > 0 and tiny["tokens_per_s"] > 0
     assert min(tiny["moved_at_lr_1e-6"].values()) > 0.99  # fp32 masters: a step at lr 1e-6 moves nearly all
     assert tiny["state"]["bytes"] > 0 and tiny["state"]["restore_s"] > 0
+
+
+def test_host_buffers_are_reused_by_the_next_capture_but_never_while_one_is_being_written(tmp_path: Path) -> None:
+    """The reuse logic of the CUDA capture's pinned host buffers (its copies on a side stream are unverified
+    here: no GPU), with plain host tensors in place of pinned ones."""
+    pool = HostBuffers(lambda like: torch.empty(like.shape, dtype=like.dtype))
+    embedding = torch.randn(4, 3)
+    live = {"embed": embedding, "head": embedding, "norm": torch.ones(3), "step": 7}
+    lent = pool.lend()
+    first = pool.copy(lent, "model", live)
+    assert first["embed"] is first["head"] and first["step"] == 7  # a tied tensor: one buffer, both names
+    assert torch.equal(first["embed"], embedding) and first["embed"].data_ptr() != embedding.data_ptr()
+
+    # A capture while the first is still being written gets buffers of its own.
+    overlapping = pool.copy(pool.lend(), "model", live)
+    assert overlapping["embed"].data_ptr() != first["embed"].data_ptr()
+
+    # Written, the first capture's buffers go back, and the next capture copies into them.
+    CopiedState(first, {}, functools.partial(pool.give_back, lent)).write(tmp_path / "m.pt", tmp_path / "o.pt")
+    assert torch.equal(torch.load(tmp_path / "m.pt", weights_only=True)["head"], embedding)
+    embedding.add_(1.0)
+    again = pool.copy(pool.lend(), "model", live | {"norm": torch.ones(5)})
+    assert again["embed"].data_ptr() == first["embed"].data_ptr() and torch.equal(again["embed"], embedding)
+    assert again["norm"].shape == (5,)  # a tensor whose shape changed gets a new buffer

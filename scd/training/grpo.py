@@ -8,9 +8,11 @@ come from the final hidden states a chunk of completion tokens at a time (``scd.
 
 from __future__ import annotations
 
+import functools
 import logging
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -44,15 +46,76 @@ def combine(shares: Sequence[StepShare], rewards: Sequence[float]) -> StepResult
     )
 
 
+def _nothing() -> None:
+    return None
+
+
 @dataclass(frozen=True, slots=True)
 class CopiedState:
-    """Weights and optimizer state already copied to host memory."""
+    """Weights and optimizer state already copied to host memory; ``written`` runs once they are on disk
+    (host buffers lent to the capture go back then)."""
 
     model: dict[str, torch.Tensor]
     optimizer: dict[str, Any]
+    written: Callable[[], None] = _nothing
 
     def write(self, model_path: Path, optimizer_path: Path) -> tuple[str, str]:
-        return save_digested(self.model, model_path), save_digested(self.optimizer, optimizer_path)
+        digests = save_digested(self.model, model_path), save_digested(self.optimizer, optimizer_path)
+        self.written()
+        return digests
+
+
+Buffers = dict[str, torch.Tensor]
+
+
+def pinned_like(tensor: torch.Tensor) -> torch.Tensor:
+    return torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+
+
+class HostBuffers:
+    """Host memory that a capture of device tensors copies into, kept for the next capture: allocating (and,
+    on CUDA, pinning) gigabytes of host memory at every checkpoint would cost more than the copy.  A set of
+    buffers is lent to one capture until its files are written; a capture while another's write is still
+    going gets a set of its own, so a capture never overwrites one being written."""
+
+    def __init__(self, allocate: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """``allocate``: an empty host tensor of the shape and dtype of the one given."""
+        self._allocate = allocate
+        self._free: list[Buffers] = []
+        self._lock = threading.Lock()
+
+    def lend(self) -> Buffers:
+        with self._lock:
+            return self._free.pop() if self._free else {}
+
+    def give_back(self, buffers: Buffers) -> None:
+        with self._lock:
+            self._free.append(buffers)
+
+    def copy(self, buffers: Buffers, prefix: str, tensors: dict[str, Any]) -> dict[str, Any]:
+        """``tensors`` with each tensor copied into its buffer in ``buffers`` (``non_blocking``: on CUDA the
+        caller synchronizes), other values as they are; a tensor aliasing an earlier one (a tied embedding)
+        is copied once and stays one under both names."""
+        out: dict[str, Any] = {}
+        copies: dict[StorageKey, torch.Tensor] = {}
+        for name, value in tensors.items():
+            if not isinstance(value, torch.Tensor):
+                out[name] = value
+                continue
+            key = storage_key(value)
+            if key not in copies:
+                slot = f"{prefix}.{name}"
+                buffer = buffers.get(slot)
+                if buffer is None or buffer.shape != value.shape or buffer.dtype != value.dtype:
+                    buffer = buffers[slot] = self._allocate(value)
+                copies[key] = buffer.copy_(value.detach(), non_blocking=True)
+            out[name] = copies[key]
+        return out
+
+
+def _param_groups(optimizer_state: dict[str, Any]) -> list[dict[str, Any]]:
+    """An optimizer state dict's groups, each with a list of parameters of its own."""
+    return [{**group, "params": list(group["params"])} for group in optimizer_state["param_groups"]]
 
 
 def completion_tokens(groups: Sequence[Sequence[Rollout]]) -> int:
@@ -115,6 +178,9 @@ class GRPOTrainer:
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=self.cfg.lr, weight_decay=self.cfg.weight_decay
         )
+        if self.device.type == "cuda":
+            self._host_buffers = HostBuffers(pinned_like)
+            self._copy_stream = torch.cuda.Stream(self.device)
 
     def weights(self) -> dict[str, torch.Tensor]:
         """A host-memory copy of the weights, safe to write or ship while training goes on."""
@@ -149,7 +215,7 @@ class GRPOTrainer:
         return self.weights(), {
             "state": {k: {n: t.to("cpu", copy=True) if isinstance(t, torch.Tensor) else t for n, t in v.items()}
                       for k, v in optimizer["state"].items()},
-            "param_groups": [{**group, "params": list(group["params"])} for group in optimizer["param_groups"]],
+            "param_groups": _param_groups(optimizer),
         }
 
     def load_state(self, model: dict[str, torch.Tensor], optimizer: dict[str, Any]) -> dict[str, list[float]]:
@@ -174,7 +240,24 @@ class GRPOTrainer:
         return changes
 
     def capture_state(self) -> CopiedState:
-        return CopiedState(*self.state_copy())
+        if self.sharded or self.device.type != "cuda":
+            return CopiedState(*self.state_copy())
+        return self._pinned_capture()
+
+    def _pinned_capture(self) -> CopiedState:
+        """On CUDA: into pinned host buffers kept across captures, on a stream of its own (a pageable copy is
+        synchronous and runs at a fraction of the bus's speed), waiting for the step's work before it starts
+        and done before the next step can change a tensor."""
+        buffers = self._host_buffers.lend()
+        self._copy_stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self._copy_stream):
+            model = self._host_buffers.copy(buffers, "model", self.model.state_dict())
+            optimizer = self.optimizer.state_dict()
+            state = {index: self._host_buffers.copy(buffers, f"optimizer.{index}", values)
+                     for index, values in optimizer["state"].items()}
+        self._copy_stream.synchronize()
+        return CopiedState(model, {"state": state, "param_groups": _param_groups(optimizer)},
+                           functools.partial(self._host_buffers.give_back, buffers))
 
     def load_state_files(self, model_path: Path, optimizer_path: Path) -> dict[str, list[float]]:
         """``load_state`` from a bundle's files; blocking."""
