@@ -30,6 +30,7 @@ from scd.training.dcp_state import (
     TrainerStateManifest,
     TrainerStateRefused,
     capture_trainer_state,
+    export_safetensors,
     load_trainer_state,
     save_trainer_state,
     write_trainer_state,
@@ -242,6 +243,30 @@ def test_state_saved_at_two_loads_at_one_and_back_at_two_and_trains_on_as_uninte
     assert_states_equal(torch.load(tmp_path / "second.state.pt", weights_only=True), saved)
     resumed = orjson.loads((tmp_path / "resumed.json").read_bytes())
     assert resumed == pytest.approx(uninterrupted, rel=1e-5)
+
+
+@pytest.mark.slow  # spawns gloo ranks
+def test_an_export_of_a_world_size_2_checkpoint_loads_in_transformers_with_its_weights(tmp_path: Path) -> None:
+    """Files of at most a third of the weights' bytes: several, and an index; the tied head in them once."""
+    from transformers import LlamaForCausalLM
+
+    run_ranks(2, train_and_save, tmp_path)
+    manifest = read_manifest(tmp_path / "first.manifest.json")
+    saved = torch.load(tmp_path / "first.state.pt", weights_only=True)["model"]
+    model, _ = build()
+    out = tmp_path / "export"
+    out.mkdir()
+    model.config.save_pretrained(out)
+    unique = sum(p.numel() * p.element_size() for p in model.parameters())
+    files = export_safetensors(tmp_path / "first", manifest, out, torch.bfloat16, max_file_bytes=unique // 3)
+    assert len(files) > 2 and "model.safetensors.index.json" in files
+    index = orjson.loads((out / "model.safetensors.index.json").read_bytes())
+    assert "lm_head.weight" not in index["weight_map"] and "model.embed_tokens.weight" in index["weight_map"]
+    assert index["metadata"]["total_size"] == unique // 2  # bf16
+    exported = LlamaForCausalLM.from_pretrained(out, dtype=torch.bfloat16)
+    assert exported.lm_head.weight is exported.model.embed_tokens.weight
+    for name, tensor in exported.state_dict().items():
+        assert torch.equal(tensor, saved[name].to(torch.bfloat16)), name
 
 
 @pytest.mark.slow  # spawns gloo ranks

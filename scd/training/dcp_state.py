@@ -267,3 +267,51 @@ def load_trainer_state(model: nn.Module, optimizer: torch.optim.Optimizer, direc
     tied = {name: weights[owner] for name, owner in _tied_names(model).items()}
     set_state_dict(model, optimizer, model_state_dict={**weights, **tied}, optim_state_dict=state["optimizer"],
                    options=_OPTIONS)
+
+
+# What ``scd export`` holds at once: the weights of one output file (Hugging Face's default shard size).
+EXPORT_FILE_BYTES = 5 * 10**9
+
+
+def export_safetensors(directory: Path, manifest: TrainerStateManifest, out_dir: Path, dtype: torch.dtype, *,
+                       max_file_bytes: int = EXPORT_FILE_BYTES) -> list[str]:
+    """The checkpoint's weights, checked first (``verify_trainer_state``), as Hugging Face safetensors in ``out_dir``
+    (which must exist), floating ones cast to ``dtype``; returns the files written.  One process at any world size
+    that wrote it: the weights are read a file's worth at a time (at most ``max_file_bytes`` as saved, a larger
+    single tensor alone), so the process never holds more than one output file of the model.  A tied weight is in
+    the files once, under the name the model's parameters use; ``transformers`` ties the other on load.  More than
+    one file gets ``model.safetensors.index.json``.  Blocking."""
+    from safetensors.torch import save_file
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    verify_trainer_state(directory, manifest)
+    metadata = FileSystemReader(directory).read_metadata()
+    saved = {key.removeprefix("model."): entry for key, entry in metadata.state_dict_metadata.items()
+             if key.startswith("model.") and isinstance(entry, TensorStorageMetadata)}
+    groups: list[list[str]] = [[]]
+    budget = 0
+    for name, entry in saved.items():
+        size = entry.size.numel() * entry.properties.dtype.itemsize
+        if groups[-1] and budget + size > max_file_bytes:
+            groups.append([])
+            budget = 0
+        groups[-1].append(name)
+        budget += size
+    names = ["model.safetensors"] if len(groups) == 1 else \
+        [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
+    weight_map: dict[str, str] = {}
+    total = 0
+    for file_name, group in zip(names, groups, strict=True):
+        loaded = {name: torch.empty(saved[name].size, dtype=saved[name].properties.dtype) for name in group}
+        dcp.load({"model": loaded}, storage_reader=FileSystemReader(directory))
+        out = {name: t.to(dtype) if t.is_floating_point() else t for name, t in loaded.items()}
+        del loaded
+        save_file(out, out_dir / file_name, metadata={"format": "pt"})
+        total += sum(t.numel() * t.element_size() for t in out.values())
+        weight_map.update(dict.fromkeys(group, file_name))
+    if len(names) > 1:
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (out_dir / "model.safetensors.index.json").write_bytes(msgspec.json.encode(index))
+        names.append("model.safetensors.index.json")
+    return names
+
