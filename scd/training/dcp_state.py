@@ -40,6 +40,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.staging import BlockingAsyncStager
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
@@ -213,9 +214,7 @@ def save_trainer_state(model: nn.Module, optimizer: torch.optim.Optimizer, direc
 
 
 def _file_problem(path: Path, expected: ShardFile) -> str | None:
-    """What is wrong with one file against its manifest entry, or None."""
-    if not path.is_file():
-        return f"{path.name} is missing"
+    """What is wrong with one file (present) against its manifest entry, or None."""
     size = path.stat().st_size
     if size != expected.size:
         return f"{path.name} is {size} bytes, the manifest says {expected.size} (torn or foreign)"
@@ -228,9 +227,10 @@ def _file_problem(path: Path, expected: ShardFile) -> str | None:
 
 
 def verify_trainer_state(directory: Path, manifest: TrainerStateManifest, *,
-                         process_group: dist.ProcessGroup | None = None) -> None:
-    """Refuse ``directory`` unless it holds exactly the manifest's files, each of its size and digest, and DCP's
-    ``.metadata`` names no other file.  Ranks split the hashing; every rank raises the same error.  Blocking."""
+                         process_group: dist.ProcessGroup | None = None) -> Metadata:
+    """DCP's ``.metadata`` of ``directory``, once the directory holds exactly the manifest's files, each of its size
+    and digest, and ``.metadata`` names no other file; else refused.  Ranks split the hashing; every rank raises the
+    same error.  Blocking."""
     if not directory.is_dir():
         raise TrainerStateRefused(directory, ["the directory is missing"])
     if METADATA_FILE not in manifest.files:
@@ -251,6 +251,7 @@ def verify_trainer_state(directory: Path, manifest: TrainerStateManifest, *,
     if unlisted:
         raise TrainerStateRefused(directory, [f"{METADATA_FILE} names {name}, which the manifest does not list"
                                               for name in unlisted])
+    return metadata
 
 
 def load_trainer_state(model: nn.Module, optimizer: torch.optim.Optimizer, directory: Path,
@@ -282,10 +283,8 @@ def export_safetensors(directory: Path, manifest: TrainerStateManifest, out_dir:
     the files once, under the name the model's parameters use; ``transformers`` ties the other on load.  More than
     one file gets ``model.safetensors.index.json``.  Blocking."""
     from safetensors.torch import save_file
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    verify_trainer_state(directory, manifest)
-    metadata = FileSystemReader(directory).read_metadata()
+    metadata = verify_trainer_state(directory, manifest)
     saved = {key.removeprefix("model."): entry for key, entry in metadata.state_dict_metadata.items()
              if key.startswith("model.") and isinstance(entry, TensorStorageMetadata)}
     groups: list[list[str]] = [[]]
