@@ -8,6 +8,7 @@ vocabulary; anything else names a local Hugging Face directory, loaded with
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Protocol
@@ -197,6 +198,7 @@ class HFPolicy:
         self.chat_template: str | None = self.tokenizer.chat_template
         self.context_tokens: int = AutoConfig.from_pretrained(self.model_dir, local_files_only=True) \
             .max_position_embeddings
+        self._heads: weakref.WeakKeyDictionary[nn.Module, OutputHead] = weakref.WeakKeyDictionary()
 
     def encode_prompt(self, text: str) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=True)["input_ids"])
@@ -230,6 +232,12 @@ class HFPolicy:
         return model.get_decoder()(input_ids=tokens, use_cache=False).last_hidden_state
 
     def output_head(self, model: nn.Module) -> nn.Module:
+        # Checked once per model (the torch backend asks at every batch); the head holds no reference to it.
+        if model not in self._heads:
+            self._heads[model] = self._checked_output_head(model)
+        return self._heads[model]
+
+    def _checked_output_head(self, model: nn.Module) -> OutputHead:
         config = model.config
         head = OutputHead(model.get_output_embeddings(),
                           scale=getattr(config, "logit_scale", None) or 1.0,
