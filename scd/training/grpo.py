@@ -178,7 +178,7 @@ class GRPOTrainer:
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=self.cfg.lr, weight_decay=self.cfg.weight_decay
         )
-        if self.device.type == "cuda":
+        if self.device.type == "cuda" and not sharded:  # what ``capture_state`` copies into
             self._host_buffers = HostBuffers(pinned_like)
             self._copy_stream = torch.cuda.Stream(self.device)
 
