@@ -377,7 +377,9 @@ async def test_a_bad_reward_stops_the_run_naming_itself_or_scores_zero_and_is_co
     directory, module = bad_rewards
     name = f"{function}-{reward_errors}"
     config = task_config({"function": f"{module}:{function}", "name": name}, {"function": "exact"},
-                         reward_timeout_s=0.1, reward_errors=reward_errors)
+                         # A short deadline only where the deadline is the subject: a loaded box's worker start
+                         # (the crash's retry takes a fresh one) must not turn another failure into a timeout.
+                         reward_timeout_s=0.1 if cause == "timeout" else 10.0, reward_errors=reward_errors)
     counted = errors_counted(name, cause)
     async with contextlib.aclosing(load_rewards(config, directory)) as scorer:
         if reward_errors == "stop":
