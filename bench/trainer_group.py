@@ -5,7 +5,8 @@ Llama, interleaved (1 2 1 2 ...), the median of the per-pair ratios and their sp
 box both ranks share the cores the single trainer had, so this measures the group's overhead
 (Ray calls, the rows shipped to the ranks, gloo's collectives), not a speed-up.
 
-At a Llama of about 100M parameters (hidden 768, 12 layers):
+At a Llama of about 95M parameters whose output head is its embedding (tied, as Qwen2.5-0.5B's; hidden
+768, 12 layers, vocabulary 32,000):
 
 * ``weight_export_ms_100m_world{1,2}``: a whole weight sync's read of every tensor of
   ``live_weights()`` into a host buffer, as a generation backend reads it: at world size 1 the
@@ -34,9 +35,11 @@ import anyio
 import torch
 
 from bench.summary import merge_and_print
+from bench.trainer_memory import write_tied_llama
 from scd.config import Config, derive_config
-from scd.model.init_tiny import TinyLlamaShape, init_tiny
+from scd.model.init_tiny import init_tiny
 from scd.model.policy import build_policy
+from scd.model.weights import unaliased
 from scd.records import Rollout
 from scd.training.group import TrainerGroup
 from scd.training.grpo import GRPOTrainer
@@ -66,9 +69,11 @@ def timed(fn: Callable[[], Any]) -> float:
 
 
 def read_all(weights: Any) -> None:
-    """Every tensor into a host buffer of its own, in order: a backend's read of a sync."""
-    for name in weights:
-        torch.empty_like(weights[name], device="cpu").copy_(weights[name])
+    """Every tensor a sync sends (``unaliased``: a tied one once) into a host buffer of its own, in order: a
+    backend's read of a sync."""
+    sent = unaliased(weights)
+    for name in sent:
+        torch.empty_like(sent[name], device="cpu").copy_(sent[name])
 
 
 async def steps_ratio(tmp: Path, model: Path) -> dict[str, float]:
@@ -124,7 +129,7 @@ async def at_100m(tmp: Path, model: Path, repeats: int = 3) -> dict[str, float]:
 async def figures(tmp: Path) -> dict[str, float]:
     """Every figure above (Ray must be up with 4 free logical CPUs)."""
     small = init_tiny(tmp / "tiny-llama")
-    large = init_tiny(tmp / "llama-100m", TinyLlamaShape(hidden_size=768, num_layers=12, num_heads=12))
+    large = write_tied_llama(tmp / "llama-100m", vocab_size=32_000, hidden_size=768, layers=12, heads=12)
     return {**await steps_ratio(tmp, small), **await at_100m(tmp, large)}
 
 

@@ -1,6 +1,6 @@
 """What the trainer costs beside its arithmetic, on the CPU: ``python -m bench.run trainer_memory``.
 
-Capture: a 109M-parameter Hugging Face Llama whose output head is its embedding (tied, as Qwen2.5-0.5B's;
+Capture: a 96M-parameter Hugging Face Llama whose output head is its embedding (tied, as Qwen2.5-0.5B's;
 width 1,024, 6 layers, vocabulary 32,000) with its AdamW state, copied for a checkpoint off the event loop
 as the checkpointer does, while a probe measures how late the loop wakes
 (``trainer_capture_loop_stall_p99_ms``), against the same copy made on the loop (its length is the stall it
