@@ -288,26 +288,13 @@ class Controller:
                 self._checkpoint_due = Trigger.INTERVAL if timer.cancelled_caught else Trigger.SIGNAL
             self._notify()
 
-    async def settle_scoring(self, deadline_s: float) -> None:
-        """Before the last checkpoint: no sibling is scored after its cut (siblings finishing from now on are
-        held owed their score), and the ones being scored are waited for, up to ``deadline_s``; a reward
-        still out then is asked again by the restore."""
+    async def last_checkpoint(self, trigger: Trigger, scoring_deadline_s: float) -> None:
+        """The checkpoint before the process exits (exported at the last step), written before this returns, once
+        scoring has stopped (no reward is paid after its cut).  Its failure is the run's: ``CheckpointFailed``
+        (exit 1) names the cause and the newest good bundle."""
         if self.checkpointer is None:
             return
-        with anyio.move_on_after(deadline_s) as waiting:
-            await self.rollouts.stop_scoring()
-        if waiting.cancelled_caught:
-            log.warning("scoring did not finish within %.0fs of the run's end: the last checkpoint holds the "
-                        "siblings still being scored owed their score, and the restore scores them", deadline_s)
-
-    async def last_checkpoint(self, trigger: Trigger) -> None:
-        """The checkpoint before the process exits (exported at the last step), written before this returns.
-
-        Its failure is the run's failure: the checkpointer raises ``CheckpointFailed`` (exit 1)
-        naming the cause and the newest good bundle.
-        """
-        if self.checkpointer is None:
-            return
+        await self.rollouts.stop_scoring(scoring_deadline_s)
         with anyio.CancelScope(shield=True):
             await self.checkpointer.attempt_last(trigger)
 
@@ -345,8 +332,7 @@ class Controller:
             with train_scope:
                 await self.train_pump(max_steps)
             self.stop_serving()
-            await self.settle_scoring(drain_deadline_s)
-            await self.last_checkpoint(Trigger.SHUTDOWN if self._shutdown.is_set() else Trigger.FINAL)
+            await self.last_checkpoint(Trigger.SHUTDOWN if self._shutdown.is_set() else Trigger.FINAL, drain_deadline_s)
             tg.cancel_scope.cancel()
 
     async def drain(self, train_scope: anyio.CancelScope, deadline_s: float) -> None:

@@ -476,15 +476,20 @@ class Rollouts:
             self._being_scored += 1
             self.scoring.submit(sibling)
 
-    async def stop_scoring(self) -> None:
+    async def stop_scoring(self, deadline_s: float) -> None:
         """The run ends: siblings that finish from now on stay owed their score (the last cut holds them, the
-        next run scores them), and this waits until those handed to the scoring stage before are scored, so
-        the last cut holds every score the run paid for."""
+        next run scores them), and this waits, up to ``deadline_s``, until those handed to the scoring stage
+        before are scored, so the last cut holds every score the run paid for.  A reward still out at the
+        deadline is asked again by the restore."""
         self._scoring_stopped = True
-        while self._being_scored:
-            self._scored_now = anyio.Event()
-            await self._scored_now.wait()
+        with anyio.move_on_after(deadline_s) as waiting:
+            while self._being_scored:
+                self._scored_now = anyio.Event()
+                await self._scored_now.wait()
         self._scored_now = None
+        if waiting.cancelled_caught:
+            log.warning("scoring did not finish within %.0fs of the run's end: the last checkpoint holds the "
+                        "siblings still being scored owed their score, and the restore scores them", deadline_s)
 
     def _on_scored(self, sibling: SiblingToScore, scored: Scored) -> None:
         """A sibling's score: kept with it while it is the group's, and the group goes to the committer once
