@@ -23,7 +23,7 @@ import anyio
 import orjson
 import torch
 
-from bench import engines, evaluation, goodput, rewards, trainer_group, trainer_memory
+from bench import engines, evaluation, goodput, rewards, trainer_group, trainer_memory, trainer_state
 from bench.commits import ZERO_SCORES, checkpoint_now, clear, fake_group, fill
 from bench.configs import REPO, tiny
 from bench.recovery import crash_recovery, prefix_recovery, staging_cost
@@ -51,7 +51,7 @@ GOALS = {
     **{f"crash_{s}_tokens_reused_vs_generated_at_cut": (">=", 0.99) for s in ("windowed", "weight_fifo", "in_order")},
     **goodput.GOALS, **engines.GOALS,
     "trackers_overhead_ratio": (">=", 0.98), "trackers_loop_stall_p99_ms": ("<=", 50.0),
-    **rewards.GOALS, **trainer_memory.GOALS, **evaluation.GOALS,
+    **rewards.GOALS, **trainer_memory.GOALS, **evaluation.GOALS, **trainer_state.GOALS,
 }
 
 
@@ -448,6 +448,7 @@ async def main(only: frozenset[str] = frozenset()) -> None:
                                 ("trackers_overhead", trackers_overhead), ("trainer_group", trainer_group.figures),
                                 ("reward_loop_stall", rewards.loop_stall), ("reward_stage", rewards.stage),
                                 ("trainer_memory", trainer_memory.figures),
+                                ("trainer_state", trainer_state.figures),
                                 ("eval_overhead", evaluation.eval_overhead),
                                 ("export_seconds", evaluation.export_seconds)):
                 known.add(name)

@@ -47,6 +47,7 @@ MEASURES: dict[str, tuple[str, ...]] = {
     "bench.evaluation": _CONTROLLER,
     "bench.trainer_group": _TRAINER,
     "bench.trainer_memory": (*_TRAINER, "scd/checkpoint"),
+    "bench.trainer_state": _TRAINER,
 }
 
 
