@@ -458,7 +458,6 @@ def _flat_settings(fields: dict[str, Any], prefix: str = "") -> dict[str, object
     return flat
 
 
-
 # Which column buckets prompts changes what telemetry counts, and how long a reward may take, what a
 # failed one scores or how many processes score is how the run copes, not what a stored rollout's reward means.
 _TASK_KEYS_NOT_FINGERPRINTED = frozenset({"bucket_field", "reward_timeout_s", "reward_start_timeout_s", "reward_errors",
