@@ -112,10 +112,9 @@ class Controller:
                    config_dir: Path | None = None) -> AsyncIterator[Controller]:
         """The rewards, Ray + TQ, the generation backend, the trainer; torn down in reverse order.
 
-        A ``backend`` passed in (an engine shared across runs) must serve ``config.model``;
-        it stays open for its owner.  A reward's module is imported from ``config_dir`` (the config
-        file's directory; the working directory when none is given) first.
-        """
+        A ``backend`` passed in (an engine shared across runs) must serve ``config.model``; it stays open for its
+        owner.  A reward's module is imported from ``config_dir`` (the config file's directory; the working
+        directory when none is given) first."""
         torch.set_num_threads(config.trainer.torch_threads)
         Path(config.run.output_dir).mkdir(parents=True, exist_ok=True)
         Path(config.telemetry.events_path).parent.mkdir(parents=True, exist_ok=True)
@@ -290,8 +289,8 @@ class Controller:
 
     async def last_checkpoint(self, trigger: Trigger, scoring_deadline_s: float) -> None:
         """The checkpoint before the process exits (exported at the last step), written before this returns, once
-        scoring has stopped (no reward is paid after its cut).  Its failure is the run's: ``CheckpointFailed``
-        (exit 1) names the cause and the newest good bundle."""
+        scoring has stopped (no reward paid after its cut; waited for what is left of a drain's deadline).  Its
+        failure is the run's: ``CheckpointFailed`` (exit 1) names the cause and the newest good bundle."""
         if self.checkpointer is None:
             return
         await self.rollouts.stop_scoring(scoring_deadline_s)
@@ -332,7 +331,8 @@ class Controller:
             with train_scope:
                 await self.train_pump(max_steps)
             self.stop_serving()
-            await self.last_checkpoint(Trigger.SHUTDOWN if self._shutdown.is_set() else Trigger.FINAL, drain_deadline_s)
+            await self.last_checkpoint(Trigger.SHUTDOWN if self._shutdown.is_set() else Trigger.FINAL,
+                                       min(drain_deadline_s, train_scope.deadline - anyio.current_time()))
             tg.cancel_scope.cancel()
 
     async def drain(self, train_scope: anyio.CancelScope, deadline_s: float) -> None:

@@ -147,8 +147,6 @@ async def scores_when_available(scorer: Scorer, inputs: Sequence[RewardInput], *
     answers: Answers | None = None
     while True:
         try:
-            if answers is None:  # the first ask: the scorer starts from nothing answered
-                return await scorer.score(inputs, observe=observe)
             return await scorer.score(inputs, observe=observe, answers=answers)
         except RewardUnavailable as exc:
             answers = exc.answers

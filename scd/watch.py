@@ -169,10 +169,15 @@ class Watch:
         return max(telemetry.stall_after_s, telemetry.stall_after_steps * recent)
 
     async def stall_watch(self, period_s: float = 1.0) -> None:
-        """No train step for longer than ``stall_limit_s`` while the run serves: /healthz answers 503
-        with why, and one ``stall`` event is logged per stall (a step ends it)."""
+        """No train step for longer than ``stall_limit_s`` while the run serves and waits out no outage:
+        /healthz answers 503 with why, and one ``stall`` event is logged per stall (a step ends it)."""
         while True:
             await anyio.sleep(period_s)
+            if self.outage():
+                # Waiting out a reward outage is no stall (a liveness probe would restart the wait): the clock
+                # starts again when the service answers.
+                self._last_progress, self._stalled = time.monotonic(), ""
+                continue
             idle_s, limit_s = time.monotonic() - self._last_progress, self.stall_limit_s()
             if not self.serves() or idle_s <= limit_s or self._stalled:
                 continue

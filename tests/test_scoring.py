@@ -252,7 +252,9 @@ def test_a_reward_outage_then_a_sigkill_pays_each_reward_once_per_sibling_and_re
         "\n[checkpointing]\nenabled = true\ninterval_s = 3600\nkeep_last = 5\n"))
     config.write_text(config.read_text().replace(
         'name = "reverse"\nsize = 64\n',
-        f'name = "jsonl"\npath = "{dataset}"\nreward_start_timeout_s = {START_TIMEOUT_S}\n'))
+        f'name = "jsonl"\npath = "{dataset}"\nreward_start_timeout_s = {START_TIMEOUT_S}\n').replace(
+        # The outage outlasts the stall limit many times over: waiting it out must not read as a stall.
+        f"metrics_port = {port}\n", f"metrics_port = {port}\nstall_after_s = 5\nstall_after_steps = 1\n"))
     root = tmp_path / "out" / "checkpoints"
     reward_service.start()
     first = ScdProcess(config, env={"COUNTED": "counted-before.jsonl"})
@@ -273,6 +275,7 @@ def test_a_reward_outage_then_a_sigkill_pays_each_reward_once_per_sibling_and_re
     [bundle] = layout.finalized_bundles(root)
     time.sleep(max(0.0, OUTAGE_S - (time.monotonic() - down_at)))
     assert first.proc.poll() is None, "the run exited over a reward outage"
+    assert fetch(port, "/healthz") == (200, "ok\n"), "an outage past the stall limit read as a stall"
     first.kill_group()  # SIGKILL while siblings wait for their scores
     # The remote reward is asked first: through the outage the judge was paid for nothing it did not answer.
     assert counted(tmp_path / "counted-before.jsonl") == Counter(i["row"]["id"] for i in reward_service.items())
@@ -296,6 +299,7 @@ def test_a_reward_outage_then_a_sigkill_pays_each_reward_once_per_sibling_and_re
     wait_until(lambda: "scoring has waited" in fetch(port, "/readyz")[1], 240, "the restored run waits for the reward")
     time.sleep(START_TIMEOUT_S + 5)
     assert second.proc.poll() is None, second.output()[-3000:]
+    assert fetch(port, "/healthz") == (200, "ok\n")
     reward_service.start()
     step = layout.step_of(bundle)
     assert step is not None
