@@ -389,9 +389,10 @@ class Scorer:
         self._start_timeout_s = start_timeout_s  # 0: a service that never answered is waited for as long as any
         self._outages: dict[str, tuple[str, float]] = {}  # reward name -> (what its last call met, since when)
         # The HTTP rewards are asked first, the others once those answered: while a service is down nothing else
-        # is paid for the completions that wait, so a crash meanwhile loses no answer that would be paid again
-        # after the restore (a bundle holds a completion's score once every reward answered).  The price: a
-        # Python reward's latency adds to the HTTP reward's instead of overlapping it.
+        # is paid for the completions that wait, so a crash during one HTTP service's outage loses no answer that
+        # would be paid again after the restore (a bundle holds a completion's score once every reward answered;
+        # answers kept in memory while a second HTTP service or a Python reward is down are paid again).  The
+        # price: a Python reward's latency adds to the HTTP reward's instead of overlapping it.
         http = [index for index, reward in enumerate(self._rewards) if isinstance(reward, _HttpReward)]
         self._phases = [phase for phase in (http, [i for i in range(len(self._rewards)) if i not in http]) if phase]
         self._counts = _Counts()
