@@ -20,7 +20,9 @@ Layering, bottom to top (a module imports only from layers below it):
 4. Adapters to the outside world: ``cluster`` (the Ray scd runs on, and the
    device plan: what the trainer ranks and engines get), ``dataplane``
    (TransferQueue on Ray, every call bounded), ``training`` (GRPO, and the
-   trainer as FSDP2 ranks on Ray), ``generation`` (torch, vLLM or the synthetic
+   trainer as FSDP2 ranks on Ray; ``training.loss``, ``training.schedule`` and
+   ``training.dcp_state``, the loss options, LR schedules and sharded trainer
+   state, are tested building blocks the trainer does not call yet), ``generation`` (torch, vLLM or the synthetic
    load-testing engine; weight sync), ``telemetry`` (Prometheus, typed events,
    experiment trackers), ``rewards`` (what a completion scores: built-ins and the
    user's sync functions in worker processes, async ones on the loop, a remote
