@@ -241,3 +241,23 @@ def test_host_buffers_are_reused_by_the_next_capture_but_never_while_one_is_bein
     again = pool.copy(pool.lend(), "model", live | {"norm": torch.ones(5)})
     assert again["embed"].data_ptr() == first["embed"].data_ptr() and torch.equal(again["embed"], embedding)
     assert again["norm"].shape == (5,)  # a tensor whose shape changed gets a new buffer
+
+
+def test_host_buffers_go_back_once_when_a_write_fails_or_the_capture_is_discarded(tmp_path: Path) -> None:
+    """A failed write (a full disk) or a capture the checkpointer discards unwritten still gives its buffers
+    back, and only once: otherwise each later capture pins a new set the size of model and optimizer, or two
+    captures share one."""
+    pool = HostBuffers(lambda like: torch.empty(like.shape, dtype=like.dtype))
+    live = {"embed": torch.randn(4, 3)}
+    lent = pool.lend()
+    failing = CopiedState(pool.copy(lent, "model", live), {}, functools.partial(pool.give_back, lent))
+    with pytest.raises(FileNotFoundError):
+        failing.write(tmp_path / "missing" / "m.pt", tmp_path / "missing" / "o.pt")
+    assert pool.lend() is lent
+    failing.release()  # the checkpointer releases every capture when its bundle is done: no second give-back
+    assert pool.lend() == {}
+
+    discarded = CopiedState(pool.copy(lent, "model", live), {}, functools.partial(pool.give_back, lent))
+    discarded.release()
+    discarded.release()
+    assert pool.lend() is lent and pool.lend() == {}

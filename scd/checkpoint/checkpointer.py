@@ -223,6 +223,9 @@ class Checkpointer:
                 pending.outcome = Outcome.FAILED
                 raise
             finally:
+                # Written or not (a failed data-plane save never reaches the policy write): the capture's host
+                # buffers go back for the next capture.
+                pending.trainer_state.release()
                 self._idle.set()
                 pending.done.set()
 

@@ -63,7 +63,12 @@ class TrainerStatistics:
 class StateCapture(Protocol):
     def write(self, model_path: Path, optimizer_path: Path) -> tuple[str, str]:
         """Write the captured weights and optimizer state; their files' BLAKE3 digests, computed as they were
-        written.  Blocking (the checkpoint writer's thread)."""
+        written.  Blocking (the checkpoint writer's thread).  Releases the capture, written or not."""
+        ...
+
+    def release(self) -> None:
+        """Free what the capture holds (host buffers kept for the next capture), once: the checkpointer calls it
+        when the bundle is done, written or discarded."""
         ...
 
 

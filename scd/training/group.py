@@ -201,6 +201,10 @@ class _GroupCapture:
         return self._group.wait_all([self._group.ranks[0].write_captured.remote(str(model_path), str(optimizer_path))],
                              "writing a checkpoint's trainer state")[0]
 
+    def release(self) -> None:
+        """Nothing lent here: rank 0 drops its copy when it writes it, or keeps one set at most until the next
+        capture replaces it."""
+
 
 @asynccontextmanager
 async def open_trainer(config: Config, policy: Policy) -> AsyncIterator[Trainer]:

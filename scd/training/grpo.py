@@ -50,19 +50,27 @@ def _nothing() -> None:
     return None
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class CopiedState:
-    """Weights and optimizer state already copied to host memory; ``written`` runs once they are on disk
-    (host buffers lent to the capture go back then)."""
+    """Weights and optimizer state already copied to host memory; ``written`` runs once they are written or
+    the write failed, or the capture is discarded unwritten (host buffers lent to the capture go back then)."""
 
     model: dict[str, torch.Tensor]
     optimizer: dict[str, Any]
     written: Callable[[], None] = _nothing
 
     def write(self, model_path: Path, optimizer_path: Path) -> tuple[str, str]:
-        digests = save_digested(self.model, model_path), save_digested(self.optimizer, optimizer_path)
-        self.written()
-        return digests
+        try:
+            return save_digested(self.model, model_path), save_digested(self.optimizer, optimizer_path)
+        finally:
+            # A failed write (a full disk) gives the buffers back too: each later capture would pin a new
+            # set the size of model and optimizer otherwise.
+            self.release()
+
+    def release(self) -> None:
+        """Once, however often it is called: a second give-back would lend the same buffers to two captures."""
+        written, self.written = self.written, _nothing
+        written()
 
 
 Buffers = dict[str, torch.Tensor]
