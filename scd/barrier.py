@@ -33,6 +33,7 @@ class MutationKind(enum.StrEnum):
     EVICT = "evict"
     REDISPATCH = "redispatch"
     STAGE = "stage"  # a finished sibling staged in TQ, or a stale staged one dropped
+    RESCORE = "rescore"  # a ready group's rewards scored again (a restore under a changed reward set)
 
 
 @dataclass(frozen=True, slots=True)

@@ -223,7 +223,8 @@ class TaskConfig(_Section):
     reward_timeout_s: float = 30.0
     # An http reward whose service has not answered once since scd's first request to it is refused after this
     # long (exit 2, naming its URL: a wrong URL or a service never started); 0 waits for ever.  Once it has
-    # answered, or when the run restored a bundle past step 0, an outage is waited out however long it lasts.
+    # answered, or when the run restored a bundle past step 0 (its args.url unchanged), an outage is waited out
+    # however long it lasts.
     reward_start_timeout_s: float = 120.0
     # A reward that raises, times out or returns no finite number: "stop" the run, or score it 0 and count it.
     reward_errors: Literal["stop", "zero"] = "stop"

@@ -152,7 +152,6 @@ class Controller:
         if report is not None:
             if self.checkpointer is not None:
                 self.checkpointer.restored_from(report.step, report.bundle_time)
-            self.rollouts.scoring.resumed(report.step)
             self.watch.publish_gauges()
         return report
 

@@ -22,7 +22,7 @@ The stage never reaches up: it knows the scorer, the prompts and how to decode, 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass
 
 import anyio
@@ -80,11 +80,12 @@ class ScoringStage:
             self._queued += 1
             self._to_score.send_nowait(sibling)
 
-    def resumed(self, step: int) -> None:
+    def resumed(self, step: int, reward_changes: Collection[str]) -> list[str]:
         """The run restored a bundle of ``step``: past step 0 its rewards have answered before (groups were
-        trained), so a service down at this start is waited for, never refused as one that never answered."""
-        if step > 0:
-            self._scorer.answered_before()
+        trained), so a service down at this start is waited for, never refused as one that never answered;
+        but for one whose URL the restore changed (``reward_changes``: the changed settings' keys).  Returns
+        the names of the rewards taken as answered before."""
+        return self._scorer.answered_before(reward_changes) if step > 0 else []
 
     def statistics(self) -> ScoringStatistics:
         outage = self._scorer.outage()

@@ -236,6 +236,16 @@ class ControllerState:
             self.in_flight -= 1
             self.committed_groups += 1
 
+    async def replace_ready_groups(self, groups: Sequence[GroupMeta]) -> None:
+        """Ready groups scored again (a restore under a changed reward set), each put in place of the group of
+        its id in the replay index; their rows in TQ are the same."""
+        async with self.barrier.mutation(MutationKind.RESCORE):
+            for group in groups:
+                if group.group_id not in self.replay:
+                    raise InvariantViolation(f"rescore of group {group.group_id} that is not in the replay index")
+            for group in groups:
+                self.replay.replace(group)
+
     async def _remove(self, kind: MutationKind, groups: Sequence[GroupMeta], state: PromptState,
                       reason: str = "") -> None:
         for group in groups:

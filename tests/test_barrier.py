@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import anyio
+import msgspec
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from scd.barrier import CheckpointBarrier, MutationKind
+from scd.config import parse_config
+from scd.errors import InvariantViolation
+from scd.replay import GroupMeta, ReplayIndex
+from scd.samplers import build_sampler
+from scd.state import ControllerState, Restored
 
 
 async def test_unknown_kind_fails() -> None:
@@ -179,3 +187,32 @@ def test_random_interleavings_never_overlap_a_cut(ops: list[tuple[str, int]]) ->
         assert (stats.shared_active, stats.exclusive_active, stats.exclusive_waiting) == (0, False, 0)
 
     anyio.run(scenario)
+
+
+async def test_a_restores_rescore_replaces_ready_groups_as_a_mutation_under_the_barrier(tmp_path: Path) -> None:
+    """The rescore of a restore under a changed reward set changes the controller state like any mutation: it
+    waits out a checkpoint's exclusive hold (whose cut sees the groups as they were), is counted as a
+    ``rescore``, and refuses, changing nothing, a group the replay index does not hold."""
+    state = ControllerState(4, 0, build_sampler(parse_config({}, tmp_path)), None,  # type: ignore[arg-type]
+                            CheckpointBarrier())
+    held = GroupMeta(group_id="e0-p0", epoch=0, prompt_id=0, sample_ids=("e0-p0/0", "e0-p0/1"),
+                     start_weight_version=0, end_weight_version=0, prompt_len=3, seq_lens=(5, 6), rewards=(0.0, 1.0),
+                     weight_versions=(0, 0), reward_components={"old": 0.5})
+    index = ReplayIndex()
+    index.add(held)
+    state.install(Restored(step=0, weight_version=0, dataloader=state.order.state, index=index, ledger=state.ledger,
+                           sampler_state=state.sampler.state(), shadow=False, fates=state.fates.counts(), run=None))
+    rescored = msgspec.structs.replace(held, rewards=(1.0, 1.0), reward_components={"new": 1.0})
+    async with anyio.create_task_group() as tg:
+        async with state.barrier.exclusive():
+            tg.start_soon(state.replace_ready_groups, [rescored])
+            await anyio.wait_all_tasks_blocked()
+            assert state.replay.groups() == [held]
+    assert state.replay.groups() == [rescored]
+    stats = state.barrier.statistics()
+    assert stats.mutations == {"rescore": 1} and stats.blocked == {"rescore": 1}
+
+    unknown = msgspec.structs.replace(held, group_id="e0-p1")
+    with pytest.raises(InvariantViolation, match="e0-p1"):
+        await state.replace_ready_groups([rescored, unknown])
+    assert state.replay.groups() == [rescored]

@@ -17,7 +17,7 @@ import orjson
 import pytest
 from aiohttp import web
 
-from scd.config import parse_config
+from scd.config import Config, parse_config
 from scd.errors import ConfigError
 from scd.evaluation import Evaluation, eval_prompts
 from scd.generation import open_backend
@@ -272,11 +272,41 @@ async def test_a_run_resumed_past_step_0_waits_for_a_service_down_at_its_start_p
     task = parse_config({"task": {"rewards": [http_reward(nobody)], "reward_start_timeout_s": 1.0}}, tmp_path).task
     async with contextlib.aclosing(load_rewards(task, tmp_path)) as scorer, anyio.create_task_group() as tg:
         stage = ScoringStage(scorer, PROMPTS, decode, lambda *_: None)
-        stage.resumed(3)
+        assert stage.resumed(3, reward_changes={}) == ["remote"]
         await tg.start(stage.run, siblings())
         await wait_for(lambda: scorer.outage().seconds > 2.5, "an outage past the start timeout")
         assert nobody in stage.statistics().unavailable
         tg.cancel_scope.cancel()
+
+
+async def test_a_run_resumed_under_a_changed_reward_set_refuses_a_new_rewards_wrong_url_and_waits_for_the_rest(
+        tmp_path: Path) -> None:
+    """A restore that changes the reward set: the reward still at its URL answered in an earlier process (a
+    reweighting changes no service), so its outage is waited out; one the restore moved to another URL, or
+    added, never answered this run, and a wrong URL of its is refused after task.reward_start_timeout_s (exit
+    2) instead of waiting for ever."""
+    judge, verifier, moved, added = (f"http://127.0.0.1:{free_port()}/score" for _ in range(4))
+
+    def config(rewards: list[dict[str, Any]]) -> Config:
+        return parse_config({"task": {"rewards": rewards, "reward_start_timeout_s": 1.0}}, tmp_path)
+
+    saved = config([{**http_reward(judge), "name": "judge"}, {**http_reward(verifier), "name": "verifier"}])
+    now = config([{**http_reward(judge), "name": "judge", "weight": 2.0}, {**http_reward(moved), "name": "verifier"},
+                  {**http_reward(added), "name": "added"}])
+    changes = now.fingerprint_changes(orjson.loads(orjson.dumps(saved.fingerprint_fields())))
+    assert "task.rewards[0].weight" in changes and "task.rewards[1].args.url" in changes
+    async with contextlib.aclosing(load_rewards(now.task, tmp_path)) as scorer:
+        stage = ScoringStage(scorer, PROMPTS, decode, lambda *_: None)
+        assert stage.resumed(0, changes) == []  # a bundle of step 0 trained on no answer
+        assert stage.resumed(3, changes) == ["judge"]
+        with anyio.fail_after(WAIT_S), pytest.RaisesGroup(ConfigError, flatten_subgroups=True) as refused:
+            await stage.run(siblings())
+    # Whichever of the two new URLs is refused first; never the judge's.
+    message = str(refused.value.exceptions[0])
+    refused_keys = {key for key, url in (("task.rewards[1]", moved), ("task.rewards[2]", added))
+                    if f"config key '{key}.args.url'" in message and url in message}
+    assert len(refused_keys) == 1, message
+    assert "has not answered once" in message and judge not in message
 
 
 async def test_the_http_sub_batches_that_answered_are_not_asked_again(tmp_path: Path) -> None:

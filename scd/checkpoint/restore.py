@@ -371,6 +371,12 @@ async def restore_state(config: Config, parts: RestoreParts, restore_from: Path 
     for key, (old, new) in reward_changes.items():
         log.warning("restore: %s is %s in the config, %s in %s: the config's rewards apply from now on, and the "
                     "scores the bundle holds are scored again under them", key, new, old, bundle)
+    # Before the rescore below asks them: past step 0 a reward the restore did not move to another URL answered
+    # in an earlier process, and an outage of its service at this start is waited out, not refused.
+    answered = parts.rollouts.scoring.resumed(info.step, reward_changes.keys())
+    if answered:
+        log.info("restore: rewards %s answered before this process: an outage of theirs is waited out, not "
+                 "refused after task.reward_start_timeout_s", answered)
     # Scores under the bundle's rewards are not kept: its finished siblings are owed a score under this run's.
     cut = replace(verified.rollouts, scores={}) if reward_changes else verified.rollouts
     siblings = await parts.rollouts.restore(cut, staged, resumable=parts.generation.resumable, shadow=shadow)
@@ -416,8 +422,8 @@ async def rescore_ready_groups(state: ControllerState, dataplane: DataPlane, rol
     groups = state.replay.groups()
     for start in range(0, len(groups), RESCORE_GROUPS):
         chunk = groups[start:start + RESCORE_GROUPS]
-        for group in await rollouts.rescore(chunk, await dataplane.get_groups([g.group_id for g in chunk])):
-            state.replay.replace(group)
+        await state.replace_ready_groups(
+            await rollouts.rescore(chunk, await dataplane.get_groups([g.group_id for g in chunk])))
     return len(groups)
 
 

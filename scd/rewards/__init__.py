@@ -31,7 +31,8 @@ asked first and the others once they answered, so an HTTP outage pays nothing el
 0 would train the policy on noise for as long as it lasts.  An HTTP reward whose service has never answered
 since scd started is refused (``ConfigError``, exit 2, naming its URL) once ``task.reward_start_timeout_s``
 has passed since its first request (``Scorer.answered_before``: not in a run resumed past step 0, whose
-rewards answered in an earlier process): a wrong URL fails the run instead of waiting for ever.
+rewards answered in an earlier process, unless the restore changed the reward's URL): a wrong URL fails the run
+instead of waiting for ever.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ import email.utils
 import logging
 import random
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Collection, Sequence
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -484,13 +485,18 @@ class Scorer:
     def statistics(self) -> ScorerStatistics:
         return ScorerStatistics(**dataclasses.asdict(self._counts), pool=self._context.pool.statistics())
 
-    def answered_before(self) -> None:
-        """The run resumed past its first step, so every reward answered in an earlier process: an outage at
+    def answered_before(self, changed: Collection[str]) -> list[str]:
+        """The run resumed past its first step, so its HTTP rewards answered in an earlier process: an outage at
         this start is waited out, not refused by ``task.reward_start_timeout_s`` (a restart during an outage
-        must not end a run that systemd then would not restart)."""
-        for reward in self._rewards:
-            if isinstance(reward, _HttpReward):
-                reward.answered_before()
+        must not end a run that systemd then would not restart).  Not one whose service the restore changed
+        (``changed``: the reward settings that differ from the bundle's, ``task.rewards[i].args.url`` and the
+        like): a reward new at its index, or now at another URL, never answered, and a wrong URL of its is
+        still refused.  Returns the names of the rewards marked."""
+        marked = [reward for reward in self._rewards if isinstance(reward, _HttpReward)
+                  and not any(f"{reward.key}.{setting}" in changed for setting in ("function", "args.url"))]
+        for reward in marked:
+            reward.answered_before()
+        return [reward.name for reward in marked]
 
     def outage(self) -> Outage:
         """The rewards whose service did not answer their last call (the stage's and an eval's alike)."""
