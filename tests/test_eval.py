@@ -26,7 +26,7 @@ from scd.rewards import RewardInput, Scored
 from scd.tasks import Prompt
 from scd.telemetry import eval_reports
 from scd.telemetry.eval_reports import held_record, report_evals, unreported
-from scd.telemetry.events import Eval, EventLog
+from scd.telemetry.events import Eval, EventLog, Start
 from tests.conftest import REPO, SCD, ScdProcess, write_config
 
 EXAMPLE = REPO / "examples" / "chat_reversal"
@@ -339,3 +339,26 @@ def test_a_restore_owes_the_reports_of_the_held_evals_the_log_has_no_line_of_sin
     assert unreported(held, log, cut_at) == [an_eval_record(5), an_eval_record(15)]
     assert unreported(held, tmp_path / "missing.jsonl", cut_at) == held
     assert unreported([], log, cut_at) == []
+
+
+@pytest.mark.parametrize("block_bytes", [7, 1 << 20])
+def test_a_line_torn_by_a_crash_is_skipped_where_it_is_and_the_next_run_starts_a_line_of_its_own(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, block_bytes: int) -> None:
+    """The crash tore eval 15's line; the restarted run appends its own events (its start, its restore)
+    before the restore reads the log back, so the torn line ends up in the middle of it."""
+    monkeypatch.setattr(eval_reports, "READ_BLOCK_BYTES", block_bytes)
+    path = tmp_path / "events.jsonl"
+    cut_at = 1000.0
+    path.write_bytes(orjson.dumps({**an_eval_record(10), "time": cut_at + 1}) + b"\n"
+                     + orjson.dumps({**an_eval_record(15), "time": cut_at + 2})[:-9])
+    started = Start(step=15, pid=1, tq_controller_node="node", tq_storage_unit_nodes=[])
+    anyio.run(EventLog(path).emit, started)
+    anyio.run(EventLog(path).emit, started)  # a log that ends its last line gets no empty line
+
+    held = [an_eval_record(10), an_eval_record(15)]
+    assert unreported(held, path, cut_at) == [an_eval_record(15)]
+    lines = path.read_bytes().split(b"\n")
+    assert lines[1] == orjson.dumps({**an_eval_record(15), "time": cut_at + 2})[:-9] and lines[-1] == b""
+    assert [orjson.loads(line)["event"] for line in lines[2:-1]] == ["start", "start"]
+    assert [r.getMessage() for r in caplog.records if r.name == eval_reports.__name__] == [
+        f"{path}: 1 line that does not decode (torn by a crash mid-write?) skipped"]

@@ -11,10 +11,11 @@ Without checkpointing nothing is restored and an evaluation is reported as it fi
 
 from __future__ import annotations
 
+import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import msgspec
 import orjson
@@ -22,6 +23,8 @@ import orjson
 from scd import faults
 from scd.telemetry import metrics
 from scd.telemetry.events import Eval, EventLog
+
+log = logging.getLogger(__name__)
 
 READ_BLOCK_BYTES = 1 << 20  # the event log is read back from its end in blocks of this many bytes
 
@@ -46,34 +49,44 @@ async def report_evals(records: Sequence[dict[str, Any]], events: EventLog) -> N
         await faults.wait_at("after_eval_report")
 
 
-def unreported(records: Sequence[dict[str, Any]], log: Path, since: float) -> list[dict[str, Any]]:
-    """Those of ``records`` (a bundle's held evaluations, cut at ``since``) that the event log at ``log`` has
-    no line of stamped at or after ``since`` (blocking).  The log is in time order: it is read from its
-    end back to its first older line; a torn last line (a crash mid-write) is no report."""
-    if not records or not log.exists():
+def unreported(records: Sequence[dict[str, Any]], path: Path, since: float) -> list[dict[str, Any]]:
+    """Those of ``records`` (a bundle's held evaluations, cut at ``since``) that the event log at ``path`` has
+    no line of stamped at or after ``since`` (blocking).  The log is in time order: it is read from its end
+    back to its first older line.  A line that does not decode (torn by a crash mid-write) is no report,
+    wherever it is: this run's own events, the restore's among them, are appended after it before this reads."""
+    if not records or not path.exists():
         return list(records)
     logged: list[dict[str, Any]] = []
-    with log.open("rb") as f:
-        end = f.seek(0, os.SEEK_END)
-        unsplit = b""  # read, not yet taken as lines: the start of the earliest line read so far
-        tail_dropped = False
-        while end > 0:
-            start = max(0, end - READ_BLOCK_BYTES)
-            f.seek(start)
-            lines = (f.read(end - start) + unsplit).split(b"\n")
-            end = start
-            if not tail_dropped:
-                if len(lines) == 1 and end > 0:
-                    unsplit = lines[0]  # no newline yet: the last line is longer than a block
-                    continue
-                lines.pop()  # after the log's last newline: nothing, or a torn line
-                tail_dropped = True
-            unsplit = lines.pop(0) if end > 0 else b""
-            for line in reversed(lines):
+    torn = 0
+    with path.open("rb") as f:
+        for line in _lines_from_end(f):
+            if not line:
+                continue
+            try:
                 event = orjson.loads(line)
-                if event["time"] < since:
-                    return [r for r in records if r not in logged]
-                if event["event"] == "eval":
-                    del event["time"]
-                    logged.append(event)
+            except orjson.JSONDecodeError:
+                torn += 1
+                continue
+            if event["time"] < since:
+                break
+            if event["event"] == "eval":
+                del event["time"]
+                logged.append(event)
+    if torn:
+        log.warning("%s: %d line%s that does not decode (torn by a crash mid-write?) skipped", path, torn,
+                    "" if torn == 1 else "s")
     return [r for r in records if r not in logged]
+
+
+def _lines_from_end(f: BinaryIO) -> Iterator[bytes]:
+    """The lines of the file open in ``f``, last first, read in blocks from its end (the empty one after its
+    last newline first)."""
+    end = f.seek(0, os.SEEK_END)
+    unsplit = b""  # read, not yet taken as lines: the start of the earliest line read so far
+    while end > 0:
+        start = max(0, end - READ_BLOCK_BYTES)
+        f.seek(start)
+        lines = (f.read(end - start) + unsplit).split(b"\n")
+        end = start
+        unsplit = lines.pop(0) if end > 0 else b""
+        yield from reversed(lines)

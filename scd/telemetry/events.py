@@ -10,6 +10,7 @@ waits for them, bounded.
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 from types import TracebackType
@@ -18,6 +19,7 @@ from typing import Any, Protocol, Self
 import aiofiles
 import anyio
 import msgspec
+from aiofiles.threadpool.binary import AsyncBufferedReader
 
 
 class Event(msgspec.Struct, tag_field="event"):
@@ -186,17 +188,31 @@ class Trackers(Protocol):
         ...
 
 
+async def _ends_torn(f: AsyncBufferedReader) -> bool:
+    """Whether the file open in ``f`` is not empty and its last byte ends no line."""
+    size = await f.seek(0, os.SEEK_END)
+    if size == 0:
+        return False
+    await f.seek(size - 1)
+    return bool(await f.read(1) != b"\n")
+
+
 class EventLog:
     def __init__(self, path: Path, trackers: Trackers | None = None) -> None:
         self.path = path
         self.trackers = trackers
         self._lock = anyio.Lock()
+        self._appended = False  # whether this process has written a line: the log's last one is whole then
 
     async def emit(self, event: Event) -> None:
         async with self._lock:
             line = msgspec.json.encode(msgspec.structs.replace(event, time=time.time())) + b"\n"
-            async with aiofiles.open(self.path, "ab") as f:
-                await f.write(line)
+            async with aiofiles.open(self.path, "a+b") as f:
+                # A crash mid-write leaves the last line torn: this process's first event goes on a line of
+                # its own, not glued to it (and lost with it when the log is read back).
+                torn = not self._appended and await _ends_torn(f)
+                await f.write(b"\n" + line if torn else line)
+                self._appended = True
             if self.trackers is not None and isinstance(event, TRACKED):
                 self.trackers.offer(line)
 
