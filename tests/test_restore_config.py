@@ -5,6 +5,7 @@ Real `scd` subprocesses and the bundles they write; the unit test of the setting
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +14,8 @@ import orjson
 from scd.checkpoint import layout
 from scd.config import NOT_SET, parse_config
 from scd.schema import Sidecar, decode
-from tests.conftest import ScdProcess, write_config
+from tests.conftest import ScdProcess, free_port, write_config
+from tests.support.reward_server import RewardService
 
 
 def events_in(directory: Path) -> list[dict[str, Any]]:
@@ -63,6 +65,9 @@ def test_a_changed_config_is_refused_before_ray_starts_naming_every_changed_key(
     assert sum(e["event"] == "start" for e in events_in(tmp_path)) == started
 
 
+# task.reward_start_timeout_s of the HTTP reward test: the outage at the restore outlasts it several times.
+START_TIMEOUT_S = 1
+
 # Two rewards a test can tell apart in every number a train step reports.
 CONSTANT_REWARDS = """
 def a(prompt, completion, answer, row):
@@ -76,20 +81,38 @@ def b(prompt, completion, answer, row):
 
 def test_a_changed_reward_set_is_applied_across_a_restore_and_no_score_of_the_old_one_is_trained(
         tmp_path: Path, scd_processes: list[ScdProcess], session_ray: str) -> None:
+    """Beside the changed reward, an HTTP one the restore keeps (weight 0: the numbers below are the constant
+    reward's alone) whose service is down when the second run scores the restored groups again: it answered in
+    the first run, so the rescore waits for it past task.reward_start_timeout_s instead of ending the run with
+    exit 2."""
     (tmp_path / "consts.py").write_text(CONSTANT_REWARDS)
-    reward = '\n[[task.rewards]]\nfunction = "consts:{}"\nname = "const"\n'
-    config = write_config(tmp_path, ray_address=session_ray, extra=reward.format("a"))
-    first = ScdProcess(config, "--max-steps", "2")
-    scd_processes.append(first)
-    assert first.wait(timeout=300) == 0, first.output()[-3000:]
-    [bundle] = layout.finalized_bundles(tmp_path / "out" / "checkpoints")
-    held = decode(bundle / layout.SIDECAR_FILE, Sidecar)
-    assert held.groups and {r for g in held.groups for r in g.rewards} == {0.25}, "no ready group to score again"
+    service = RewardService(free_port(), tmp_path / "served.jsonl")
+    rewards = ('\n[[task.rewards]]\nfunction = "consts:{}"\nname = "const"\n'
+               '\n[[task.rewards]]\nfunction = "http"\nname = "remote"\nweight = 0.0\n'
+               'args = {{ url = "{}", retries = 0, timeout_s = 5.0 }}\n')
+    config = write_config(tmp_path, ray_address=session_ray, extra=rewards.format("a", service.url))
+    config.write_text(config.read_text().replace("[task]\n", f"[task]\nreward_start_timeout_s = {START_TIMEOUT_S}\n"))
+    try:
+        service.start()
+        first = ScdProcess(config, "--max-steps", "2")
+        scd_processes.append(first)
+        assert first.wait(timeout=300) == 0, first.output()[-3000:]
+        [bundle] = layout.finalized_bundles(tmp_path / "out" / "checkpoints")
+        held = decode(bundle / layout.SIDECAR_FILE, Sidecar)
+        assert held.groups and {r for g in held.groups for r in g.rewards} == {0.25}, "no ready group to score again"
+        service.stop()
 
-    config.write_text(config.read_text().replace('"consts:a"', '"consts:b"'))
-    second = ScdProcess(config, "--max-steps", "4")
-    scd_processes.append(second)
-    assert second.wait(timeout=300) == 0, second.output()[-3000:]
+        config.write_text(config.read_text().replace('"consts:a"', '"consts:b"'))
+        second = ScdProcess(config, "--max-steps", "4")
+        scd_processes.append(second)
+        second.wait_for_line("reward 'remote' is unavailable", timeout=300)
+        time.sleep(START_TIMEOUT_S + 5)
+        assert second.proc.poll() is None, second.output()[-3000:]
+        service.start()
+        assert second.wait(timeout=300) == 0, second.output()[-3000:]
+    finally:
+        service.stop()
+    assert "restore: rewards ['remote'] answered before this process" in second.output()
 
     events = events_in(tmp_path)
     restore = [e for e in events if e["event"] == "restore"][-1]
