@@ -399,7 +399,7 @@ async def commit_path(tmp: Path, groups: int = 20_000) -> dict[str, float]:
     config = tiny(tmp / "commit", async_rl={"buffer_capacity_groups": groups + 64}, task={"size": groups})
     policy = build_policy(config.model, config.run.seed)
     controller = Controller(config, _NoDataPlane(), None, policy, render_task(config, policy).prompts,  # type: ignore[arg-type]
-                            GRPOTrainer(config, policy), load_rewards(config.task, tmp))
+                            GRPOTrainer(config, policy), load_rewards(config.task, tmp), [])
     started = time.monotonic()
     for _ in range(groups):
         request = await controller.rollouts.admit()
