@@ -193,15 +193,18 @@ async def snapshot_and_restore(tmp: Path, groups: int = 10_000, tokens: int = 10
     group_size = 8
     rows = groups * group_size
     config = tiny(tmp / "snap", generation={"group_size": group_size},
-                  async_rl={"buffer_capacity_groups": groups + 64}, task={"size": groups + 64},
-                  data_plane={"call_timeout_s": 600.0}, checkpointing={"enabled": True, "keep_last": 4})
+                  # Its groups (made at version 0) stay within the window of the bundles' versions 1 to 3.
+                  async_rl={"buffer_capacity_groups": groups + 64, "sampler": {"max_staleness_versions": 4}},
+                  task={"size": groups + 64}, data_plane={"call_timeout_s": 600.0},
+                  checkpointing={"enabled": True, "keep_last": 4})
     await clear("bench")
     checkpoint_s, bandwidths = [], []
     async with Controller.open(config) as controller:
         payload = await fill(controller, groups, tokens)
         assert controller.checkpointer is not None
         for attempt in range(3):
-            controller.state.trainer_step = attempt + 1
+            # A bundle's step and weight version move together (verify refuses one that says otherwise).
+            controller.state.trainer_step = controller.state.weight_version = attempt + 1
             started = time.monotonic()
             await checkpoint_now(controller)
             checkpoint_s.append(time.monotonic() - started)
