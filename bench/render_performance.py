@@ -197,9 +197,11 @@ THROUGHPUT = Section(
             f"scored/s by {s['reward_workers']:.0f} worker(s), {num(s['reward_steps_per_s'])} steps/s)",
             "reward_loop_stall_p99_ms"),
         Row("`reward_http_groups_per_s`", "groups of 8 the scoring stage scores per second through an `http` "
-            "reward on loopback that answers each request after 1 ms, 16 requests in flight, 32 completions a "
-            "request. `python -m bench.run reward_stage`",
-            lambda s: f"{num(s['reward_http_groups_per_s'])} ({num(s['reward_http_siblings_per_s'])} siblings/s)",
+            "reward on loopback that answers each request after 1 ms, 16 requests in flight, siblings handed in one "
+            "at a time as a run finishes them (the stage batches across arrivals). `python -m bench.run reward_stage`",
+            lambda s: f"{num(s['reward_http_groups_per_s'])} ({num(s['reward_http_siblings_per_s'])} siblings/s; "
+            f"{s['reward_http_requests']:.0f} requests of {num(s['reward_http_completions_per_request'])} "
+            "completions)",
             "reward_http_groups_per_s"),
         Row("`reward_stage_loop_stall_p99_ms`", "loop probe p99 while configs/tiny.toml trains with a CPU-heavy "
             "custom reward (~20 ms of Python a completion, in the reward worker processes) as its only reward, "
@@ -217,16 +219,21 @@ THROUGHPUT = Section(
             f"{num(s['trainer_capture_on_loop_ms'])} ms, {num(s['trainer_capture_parameters_m'])}M parameters)",
             "trainer_capture_loop_stall_p99_ms"),
         Row("`trainer_bundle_bytes_ratio`", "bytes the trainer's state files take ÷ unique parameter and "
-            "optimizer-state bytes, same model",
+            "optimizer-state bytes, a 96M-parameter HF Llama with tied embeddings",
             lambda s: num(s["trainer_bundle_bytes_ratio"]), "trainer_bundle_bytes_ratio"),
         Row("`trainer_logprob_peak_rss_ratio`", "peak RSS a GRPO step over 16 rows × 1,024 tokens at vocab "
             "32,000 adds (2-layer Llama, width 64), ÷ one fp32 logits tensor of the step (2,000 MiB); each mode "
-            "in a fresh process",
+            "in a fresh process, over a warm-up step of 2 rows whose one chunk already reaches a chunk's "
+            "O(chunk × vocab) peak: chunked, the rise is what the big step holds beyond that (glibc's heap makes it "
+            "vary between runs: 0 to 386 MiB measured on this code)",
             lambda s: f"{num(s['trainer_logprob_peak_rss_ratio'])} ({num(s['trainer_logprob_peak_rss_chunked_mb'])}"
-            f" MiB, chunks of {s['trainer_logprob_chunk_tokens']:.0f} tokens); full logits as before: "
+            f" MiB, chunks of {s['trainer_logprob_chunk_tokens']:.0f} tokens, `entropy_coef = 0`); with a 0.01 "
+            f"entropy bonus {num(s['trainer_logprob_peak_rss_bonus_ratio'])} "
+            f"({num(s['trainer_logprob_peak_rss_bonus_mb'])} MiB); full logits: "
             f"{num(s['trainer_logprob_peak_rss_full_ratio'])} ({num(s['trainer_logprob_peak_rss_full_mb'])} MiB)",
             "trainer_logprob_peak_rss_ratio"),
-        Row("`eval_overhead_ratio`", "trainer steps/s with `eval.every_steps = 10` ÷ without `[eval]`: the chat "
+        Row("`eval_overhead_ratio`", "trainer steps/s with `eval.every_steps = 10` ÷ without `[eval]`, "
+            "checkpointing on in both (as the chat example runs: a checkpoint follows each eval): the chat "
             "example's task and shape (16 × 16 completions a step; 64 held-out prompts × 4 samples an eval) on the "
             "torch backend and the tests' tiny Llama, interleaved pairs of 40 steps after a warm-up, median. "
             "`python -m bench.evaluation`",
@@ -280,6 +287,22 @@ THROUGHPUT = Section(
             lambda s: f"{num(s['trainer_state_capture_ms_100m'])}; {num(s['trainer_state_write_ms_100m'])}; "
             f"{num(s['trainer_state_capture_ms_100m_world1'])} ms (pump waits "
             f"{num(s['trainer_state_capture_submit_ms_100m'])} ms)"),
+        Row("`trainer_state_write_vs_disk_100m_world1`, `_world2`", "the trainer state as a DCP checkpoint "
+            "(`scd.training.dcp_state`, every rank its own shards, BLAKE3 as written, fsynced) of a 110M Llama with "
+            "AdamW state ÷ a raw write + fsync of as many bytes, interleaved pairs, median (min–max); world size 2: "
+            "two spawned gloo ranks against one raw writer. Not yet what a bundle writes",
+            lambda s: f"{num(s['trainer_state_write_vs_disk_100m_world1'])} "
+            f"({num(s['trainer_state_write_vs_disk_100m_world1_min'])}–"
+            f"{num(s['trainer_state_write_vs_disk_100m_world1_max'])}); "
+            f"{num(s['trainer_state_write_vs_disk_100m_world2'])} "
+            f"({num(s['trainer_state_write_vs_disk_100m_world2_min'])}–"
+            f"{num(s['trainer_state_write_vs_disk_100m_world2_max'])})",
+            "trainer_state_write_vs_disk_100m_world1"),
+        Row("`trainer_state_save_peak_rss_ratio_100m_world1`, `_world2`", "the most RSS (rank 0's) rose during "
+            "that save ÷ the state's bytes ÷ world size",
+            lambda s: f"{num(s['trainer_state_save_peak_rss_ratio_100m_world1'])}; "
+            f"{num(s['trainer_state_save_peak_rss_ratio_100m_world2'])}",
+            "trainer_state_save_peak_rss_ratio_100m_world1"),
         Row("`cluster_*`", "two-node loopback cluster, 2,000 groups, 2 storage units on the worker ÷ on the "
             "head: placement overhead, not a network",
             lambda s: f"commit {ratio(s['cluster_commit_groups_per_s_worker_vs_head'])}, checkpoint "
