@@ -243,7 +243,10 @@ def test_every_tracker_shows_one_run_across_a_sigkill_and_restore(
     # Skew counts are part of the cut: every train step of the surviving history is counted, once.
     fates = decode(final / layout.SIDECAR_FILE, Sidecar).prompt_fates
     assert sum(f[Fate.TRAINED] for f in fates.values()) == last * GROUPS_PER_STEP
-    assert sum(f[Fate.LOST_TO_CRASH] for f in fates.values()) >= 1  # in flight at the cut
+    # Lost to the crash: exactly the cut's in-flight prompts generation ran again (one whose every sibling the
+    # cut kept was not lost; on a loaded box that can be all of them).
+    (restore,) = [e for e in events if e["event"] == "restore"]
+    assert sum(f[Fate.LOST_TO_CRASH] for f in fates.values()) == restore["prompts_redispatched"]
     assert all(f[Fate.ADMITTED] >= f[Fate.TRAINED] for f in fates.values())
 
 
