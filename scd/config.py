@@ -150,12 +150,50 @@ class GenerationConfig(_Section):
     synthetic: SyntheticGenerationConfig = msgspec.field(default_factory=SyntheticGenerationConfig)
 
 
+LossAggregation = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"]
+
+
+class LossConfig(_Section):
+    """``[trainer.loss]``: what the GRPO loss is (scd.training.loss defines each option once)."""
+
+    # The clip range of the policy ratio: [1 - clip_low, 1 + clip_high]; clip_high > clip_low is DAPO's
+    # clip-higher, which leaves room for unlikely tokens to grow.
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    # How token losses become the step's loss: a mean over the step's tokens (long completions weigh more), a
+    # mean over completions of each one's token mean, or Dr. GRPO's sum over tokens divided by a constant.
+    aggregation: LossAggregation = "token_mean"
+    # false: Dr. GRPO's advantages, reward minus the group mean, not divided by the group's std.
+    normalize_advantage_std: bool = True
+    off_policy_correction: Literal["none", "tis", "mis", "icepop", "seq_tis", "seq_mask_tis"] = "none"
+    # The cap of tis and seq_tis; the masks (mis, icepop, seq_mask_tis) keep ratios in [is_low, is_high].
+    is_cap: float = 2.0
+    is_low: float = 0.5
+    is_high: float = 2.0
+
+    def check(self) -> None:
+        """Raise ``ConfigError`` naming the first key whose value makes no loss."""
+        rules = [
+            (0 < self.clip_low < 1, "clip_low", f"must be in (0, 1), got {self.clip_low}"),
+            (self.clip_high > 0, "clip_high", f"must be > 0, got {self.clip_high}"),
+            # A cap below 1 would shrink the weight of every on-policy token: a learning-rate change in disguise.
+            (self.is_cap >= 1, "is_cap", f"must be >= 1, got {self.is_cap}"),
+            # The band must hold ratio 1, or the masks would reject on-policy tokens.
+            (0 < self.is_low <= 1, "is_low", f"must be in (0, 1], got {self.is_low}"),
+            (self.is_high >= 1, "is_high", f"must be >= 1, got {self.is_high}"),
+        ]
+        for ok, key, message in rules:
+            _require(ok, f"trainer.loss.{key}", message)
+
+
 class TrainerConfig(_Section):
     # torch device of the trained policy ("cpu", "cuda", "cuda:1", ...); weights reach generation from host memory.
     device: str = "cpu"
     lr: float = 1e-3
     groups_per_step: int = 16
-    clip_eps: float = 0.2
+    # The older key for both clips, trainer.loss.clip_low and clip_high; None: not given.
+    clip_eps: float | None = None
+    loss: LossConfig = msgspec.field(default_factory=LossConfig)
     weight_decay: float = 0.0
     max_grad_norm: float = 1.0
     entropy_coef: float = 0.0
@@ -509,7 +547,6 @@ _HF_DIRECTORY = "a local Hugging Face model directory"
 _BY_TIME = "scd checkpoints by time, in seconds"
 _NO_KL = "its GRPO loss has no KL penalty against a reference policy"
 _ONE_STEP = "it takes one optimizer step on each batch of groups"
-_SYMMETRIC_CLIP = "its clip is symmetric, trainer.clip_eps"
 FOREIGN_KEYS: dict[str, tuple[str, str]] = {
     "learning_rate": ("trainer.lr", ""),
     "num_generations": ("generation.group_size", ""),
@@ -525,6 +562,21 @@ FOREIGN_KEYS: dict[str, tuple[str, str]] = {
     "clip_ratio": ("trainer.clip_eps", ""),
     "eps_clip": ("trainer.clip_eps", ""),
     "cliprange": ("trainer.clip_eps", ""),
+    "epsilon_high": ("trainer.loss.clip_high", ""),
+    "clip_ratio_high": ("trainer.loss.clip_high", ""),
+    "clip_ratio_low": ("trainer.loss.clip_low", ""),
+    "eps_clip_high": ("trainer.loss.clip_high", ""),
+    "eps_clip_low": ("trainer.loss.clip_low", ""),
+    "ratio_clip_max": ("trainer.loss.clip_high", ""),
+    "ratio_clip_min": ("trainer.loss.clip_low", ""),
+    "loss_agg_mode": ("trainer.loss.aggregation", 'token-mean -> "token_mean", seq-mean-token-mean -> '
+                                                  '"seq_mean_token_mean", seq-mean-token-sum-norm -> '
+                                                  '"seq_mean_token_sum_norm"'),
+    "loss_type": ("trainer.loss.aggregation", 'dapo -> "token_mean", grpo -> "seq_mean_token_mean", dr_grpo -> '
+                                              '"seq_mean_token_sum_norm" (with trainer.loss.normalize_advantage_std '
+                                              '= false)'),
+    "norm_adv_by_std_in_grpo": ("trainer.loss.normalize_advantage_std", ""),
+    "scale_rewards": ("trainer.loss.normalize_advantage_std", "false for Dr. GRPO"),
     "entropy_coeff": ("trainer.entropy_coef", ""),
     "grad_clip": ("trainer.max_grad_norm", ""),
     "per_device_train_batch_size": ("trainer.groups_per_step", "it counts groups of generation.group_size "
@@ -561,9 +613,6 @@ FOREIGN_KEYS: dict[str, tuple[str, str]] = {
                                         "groups: raise that for a larger batch"),
     "num_iterations": ("", _ONE_STEP),
     "ppo_epochs": ("", _ONE_STEP),
-    "epsilon_high": ("", _SYMMETRIC_CLIP),
-    "clip_ratio_high": ("", _SYMMETRIC_CLIP),
-    "clip_ratio_low": ("", _SYMMETRIC_CLIP),
 }
 
 
@@ -652,8 +701,22 @@ def parse_config(data: dict[str, object], base_dir: Path) -> Config:
         hint = _unknown_key_hint(key, data) if _UNKNOWN_FIELD.search(str(exc)) else ""
         raise ConfigError(key, f"{exc}{hint}") from None
     _resolve_paths(config, base_dir)
+    _apply_clip_eps(config, data)
     validate(config)
     return config
+
+
+def _apply_clip_eps(config: Config, data: dict[str, Any]) -> None:
+    """``trainer.clip_eps``, the older key, sets both clips; with either of the newer keys it is ambiguous."""
+    clip_eps = config.trainer.clip_eps
+    if clip_eps is None:
+        return
+    loss_table = data["trainer"].get("loss", {})
+    both = [f"trainer.loss.{key}" for key in ("clip_low", "clip_high") if key in loss_table]
+    _require(not both, "trainer.clip_eps",
+             f"sets both clips, and so does {' and '.join(both)}: give trainer.clip_eps alone (a symmetric clip) "
+             "or trainer.loss.clip_low and clip_high")
+    config.trainer.loss.clip_low = config.trainer.loss.clip_high = clip_eps
 
 
 def derive_config(path: Path, *layers: dict[str, dict[str, object]]) -> Config:
@@ -790,7 +853,8 @@ def validate(config: Config) -> None:
              f"must be a torch device such as 'cpu' or 'cuda:0', got {tr.device!r}")
     _require(tr.lr > 0, "trainer.lr", f"must be > 0, got {tr.lr}")
     _require(tr.groups_per_step >= 1, "trainer.groups_per_step", "must be >= 1")
-    _require(0 < tr.clip_eps < 1, "trainer.clip_eps", f"must be in (0, 1), got {tr.clip_eps}")
+    _require(tr.clip_eps is None or 0 < tr.clip_eps < 1, "trainer.clip_eps", f"must be in (0, 1), got {tr.clip_eps}")
+    tr.loss.check()
     _require(tr.torch_threads >= 1, "trainer.torch_threads", "must be >= 1")
     _require(tr.world_size >= 1, "trainer.world_size", f"must be >= 1, got {tr.world_size}")
     _require(tr.groups_per_step >= tr.world_size, "trainer.groups_per_step",

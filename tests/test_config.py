@@ -38,6 +38,13 @@ BAD_CONFIGS = [
     ("[checkpointing]\ninterval_s = 'often'\n", "checkpointing.interval_s"),
     ("[checkpointing]\ninterval_s = 'auto'\nmin_interval_s = 600\nmax_interval_s = 60\n",
      "checkpointing.min_interval_s"),
+    ("[trainer.loss]\nclip_low = 1.0\n", "trainer.loss.clip_low"),
+    ("[trainer.loss]\nis_low = 1.5\n", "trainer.loss.is_low"),
+    ("[trainer.loss]\noff_policy_correction = 'vtrace'\n", "trainer.loss.off_policy_correction"),
+    ("[trainer.loss]\naggregation = 'mean'\n", "trainer.loss.aggregation"),
+    # Built as functions, not configurable yet: refused as any unknown key.
+    ("[trainer.loss]\nkl_coef = 0.1\n", "trainer.loss.kl_coef"),
+    ("[trainer.loss]\nmask_truncated = true\n", "trainer.loss.mask_truncated"),
 ]
 
 
@@ -189,6 +196,8 @@ def test_an_unknown_key_suggests_the_nearest_known_one(tmp_path: Path, text: str
     ("[generation]\nmax_completion_length = 256\n", "generation.max_completion_length",
      "; scd's key is 'generation.max_new_tokens'"),
     ("[trainer]\nepsilon = 0.2\n", "trainer.epsilon", "; scd's key is 'trainer.clip_eps'"),
+    ("[trainer]\nepsilon_high = 0.28\n", "trainer.epsilon_high", "; scd's key is 'trainer.loss.clip_high'"),
+    ("[trainer]\nloss_type = 'dr_grpo'\n", "trainer.loss_type", "; scd's key is 'trainer.loss.aggregation' (dapo"),
     ("[trainer]\nper_device_train_batch_size = 8\n", "trainer.per_device_train_batch_size",
      "; scd's key is 'trainer.groups_per_step' (it counts groups of generation.group_size completions"),
     ("[trainer]\nnum_train_epochs = 3\n", "trainer.num_train_epochs", "; scd's key is 'run.max_steps' (scd counts "
@@ -208,6 +217,9 @@ def test_an_unknown_key_suggests_the_nearest_known_one(tmp_path: Path, text: str
      "; of what it holds, actor_rollout_ref.rollout.n: scd's key is 'generation.group_size'; "
      "actor_rollout_ref.rollout.response_length: scd's key is 'generation.max_new_tokens'; "
      "actor_rollout_ref.actor.optim.lr: scd's key of that name is 'trainer.lr'"),
+    ("[actor_rollout_ref.actor]\nclip_ratio_low = 0.2\nclip_ratio_high = 0.28\n", "actor_rollout_ref",
+     "; of what it holds, actor_rollout_ref.actor.clip_ratio_low: scd's key is 'trainer.loss.clip_low'; "
+     "actor_rollout_ref.actor.clip_ratio_high: scd's key is 'trainer.loss.clip_high'"),
 ])
 def test_a_key_another_framework_names_gets_scds_key_for_it(tmp_path: Path, text: str, key: str, hint: str) -> None:
     path = tmp_path / "scd.toml"
@@ -224,3 +236,22 @@ def test_every_foreign_keys_scd_key_exists_and_every_no_equivalent_is_still_true
     leaves = {key.rpartition(".")[2] for key in keys}
     for name, (key, why) in FOREIGN_KEYS.items():
         assert key in keys if key else name.rpartition(".")[2] not in leaves, (name, key, why)
+
+
+def test_clip_eps_sets_both_clips_and_with_either_newer_key_is_refused_naming_both(tmp_path: Path) -> None:
+    path = tmp_path / "scd.toml"
+    path.write_text("[trainer]\nclip_eps = 0.3\n")
+    assert (load_config(path).trainer.loss.clip_low, load_config(path).trainer.loss.clip_high) == (0.3, 0.3)
+    path.write_text("[trainer.loss]\nclip_low = 0.2\nclip_high = 0.28\n")
+    loss = load_config(path).trainer.loss
+    assert (loss.clip_low, loss.clip_high) == (0.2, 0.28)
+    for newer in ("clip_low", "clip_high"):
+        path.write_text(f"[trainer]\nclip_eps = 0.3\n[trainer.loss]\n{newer} = 0.28\n")
+        with pytest.raises(ConfigError) as caught:
+            load_config(path)
+        assert (caught.value.key, caught.value.exit_code) == ("trainer.clip_eps", EXIT_CONFIG)
+        assert f"trainer.loss.{newer}" in str(caught.value)
+    # The same from --set over a file that gives clip_eps.
+    path.write_text("[trainer]\nclip_eps = 0.3\n")
+    with pytest.raises(ConfigError, match=r"trainer\.loss\.clip_high"):
+        load_config(path, ["trainer.loss.clip_high=0.28"])

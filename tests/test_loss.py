@@ -281,6 +281,30 @@ def todays_rows(seed: int) -> tuple[list[list[Rollout]], int]:
     return groups, sum(len(r.logprobs) for g in groups for r in g)
 
 
+def todays_advantages(groups: list[list[Rollout]], advantage_eps: float) -> torch.Tensor:
+    """The advantages GRPOTrainer.train_share computed before [trainer.loss] (commit 76647f9), copied."""
+    return torch.cat([
+        (lambda rewards: (rewards - rewards.mean()) / (rewards.std() + advantage_eps))(
+            torch.tensor([r.reward for r in g])) for g in groups
+    ])
+
+
+def todays_loss(new_logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor, advantages: torch.Tensor,
+                token_entropy: torch.Tensor, entropy_coef: float, step_tokens: int,
+                clip_eps: float = 0.2) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The loss GRPOTrainer.train_share computed before [trainer.loss] (commit 76647f9), copied; with the
+    ratio and the entropy sum."""
+    ratio = torch.exp(new_logp - old_logp)
+    adv = advantages.unsqueeze(1)
+    clipped = torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps)
+    surrogate = -torch.minimum(ratio * adv, clipped * adv)
+    loss = (surrogate * mask).sum() / step_tokens
+    entropy_sum = (token_entropy * mask).sum()
+    if entropy_coef:
+        loss = loss - entropy_coef * entropy_sum / step_tokens
+    return loss, ratio, entropy_sum
+
+
 @pytest.mark.parametrize("seed", range(6))
 @pytest.mark.parametrize("entropy_coef", [0.0, 0.01])
 def test_the_default_settings_are_todays_loss_bit_for_bit(entropy_coef: float, seed: int) -> None:
@@ -300,20 +324,10 @@ def test_the_default_settings_are_todays_loss_bit_for_bit(entropy_coef: float, s
     new_values = (old_logp + torch.randn(old_logp.shape, generator=gen) * 0.3) * mask
     entropy_values = torch.rand(old_logp.shape, generator=gen) * mask
 
-    # Today's math, copied from GRPOTrainer.train_share (commit 76647f9).
-    advantages = torch.cat([
-        (lambda rewards: (rewards - rewards.mean()) / (rewards.std() + advantage_eps))(
-            torch.tensor([r.reward for r in g])) for g in groups
-    ])
+    advantages = todays_advantages(groups, advantage_eps)
     new_logp, token_entropy = leaf(new_values), leaf(entropy_values)
-    ratio = torch.exp(new_logp - old_logp)
-    adv = advantages.unsqueeze(1)
-    clipped = torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps)
-    surrogate = -torch.minimum(ratio * adv, clipped * adv)
-    loss = (surrogate * mask).sum() / step_tokens
-    entropy_sum = (token_entropy * mask).sum()
-    if entropy_coef:
-        loss = loss - entropy_coef * entropy_sum / step_tokens
+    loss, ratio, entropy_sum = todays_loss(new_logp, old_logp, mask, advantages, token_entropy, entropy_coef,
+                                           step_tokens)
     loss.backward()
     clipped_tokens = (((ratio - 1).abs() > clip_eps).float() * mask).sum()
 

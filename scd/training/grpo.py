@@ -329,7 +329,7 @@ class GRPOTrainer:
             new_logp, token_entropy = self.completion_token_logprobs(tokens, mask)
         ratio = torch.exp(new_logp - old_logp)
         adv = advantages.unsqueeze(1)
-        clipped = torch.clamp(ratio, 1 - self.cfg.clip_eps, 1 + self.cfg.clip_eps)
+        clipped = torch.clamp(ratio, 1 - self.cfg.loss.clip_low, 1 + self.cfg.loss.clip_high)
         surrogate = -torch.minimum(ratio * adv, clipped * adv)
         n_tokens = mask.sum()
         # FSDP averages gradients over the ranks: scaled by the world size, each rank's sum over the
@@ -347,7 +347,8 @@ class GRPOTrainer:
         # Freed now, not at the next step: a weight sync's model-dtype copy and a capture come in between.
         self.optimizer.zero_grad(set_to_none=True)
         with torch.no_grad():
-            clipped_tokens = (((ratio - 1).abs() > self.cfg.clip_eps).float() * mask).sum()
+            outside = (ratio < 1 - self.cfg.loss.clip_low) | (ratio > 1 + self.cfg.loss.clip_high)
+            clipped_tokens = (outside.float() * mask).sum()
             on_policy = torch.tensor([r.weight_version == weight_version and r.single_version for r in rows],
                                      device=self.device)
             gap = ((new_logp - old_logp).abs() * mask)[on_policy]

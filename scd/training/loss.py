@@ -41,33 +41,20 @@ from typing import Literal
 import msgspec
 import torch
 
+from scd.config import LossAggregation, LossConfig
 from scd.errors import ConfigError
 
-Aggregation = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"]
-Correction = Literal["none", "tis", "mis", "icepop", "seq_tis", "seq_mask_tis"]
 KLEstimator = Literal["k1", "k2", "k3"]
 
 # exp(±20) ≈ 5e8 / 2e-9: far past any cap or mask band, and finite in every float dtype the loss runs in.
 LOG_RATIO_BOUND = 20.0
 
 
-class LossSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    """``[trainer.loss]``: what the loss is, each key a peer's name for the same option."""
+class LossSettings(LossConfig):
+    """What ``policy_loss`` computes: ``[trainer.loss]`` and the options built here that no config key sets
+    yet (a reference KL needs a frozen reference model, mask_truncated a truncated flag from every generation
+    backend); ``of`` gives the configured loss."""
 
-    # The clip range of current ÷ proximal: [1 - clip_low, 1 + clip_high]; clip_high > clip_low is DAPO's
-    # clip-higher, which leaves room for unlikely tokens to grow.
-    clip_low: float = 0.2
-    clip_high: float = 0.2
-    # How token losses become the step's loss: a mean over the step's tokens (long completions weigh more), a
-    # mean over completions of each one's token mean, or Dr. GRPO's sum over tokens divided by a constant.
-    aggregation: Aggregation = "token_mean"
-    # false: Dr. GRPO's advantages, reward minus the group mean, not divided by the group's std.
-    normalize_advantage_std: bool = True
-    off_policy_correction: Correction = "none"
-    # The cap of tis and seq_tis; the masks (mis, icepop, seq_mask_tis) keep ratios in [is_low, is_high].
-    is_cap: float = 2.0
-    is_low: float = 0.5
-    is_high: float = 2.0
     # > 0 adds kl_coef times the KL to a frozen reference policy to the loss.
     kl_coef: float = 0.0
     kl_estimator: KLEstimator = "k3"
@@ -75,21 +62,15 @@ class LossSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # their group's advantages.
     mask_truncated: bool = False
 
+    @classmethod
+    def of(cls, config: LossConfig) -> LossSettings:
+        return cls(**msgspec.structs.asdict(config))
+
     def check(self) -> None:
         """Raise ``ConfigError`` naming the first key whose value makes no loss."""
-        rules = [
-            (0 < self.clip_low < 1, "clip_low", f"must be in (0, 1), got {self.clip_low}"),
-            (self.clip_high > 0, "clip_high", f"must be > 0, got {self.clip_high}"),
-            # A cap below 1 would shrink the weight of every on-policy token: a learning-rate change in disguise.
-            (self.is_cap >= 1, "is_cap", f"must be >= 1, got {self.is_cap}"),
-            # The band must hold ratio 1, or the masks would reject on-policy tokens.
-            (0 < self.is_low <= 1, "is_low", f"must be in (0, 1], got {self.is_low}"),
-            (self.is_high >= 1, "is_high", f"must be >= 1, got {self.is_high}"),
-            (self.kl_coef >= 0, "kl_coef", f"must be >= 0, got {self.kl_coef}"),
-        ]
-        for ok, key, message in rules:
-            if not ok:
-                raise ConfigError(f"trainer.loss.{key}", message)
+        super().check()
+        if self.kl_coef < 0:
+            raise ConfigError("trainer.loss.kl_coef", f"must be >= 0, got {self.kl_coef}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,7 +94,7 @@ class StepSize:
                    if not (settings.mask_truncated and cut)]
         return cls(tokens=sum(trained), sequences=len(trained), max_completion_tokens=max_completion_tokens)
 
-    def normaliser(self, aggregation: Aggregation) -> int:
+    def normaliser(self, aggregation: LossAggregation) -> int:
         """The divisor of ``aggregate_sum``'s numerator; at least 1, so a step whose every completion is masked
         has loss 0, not NaN."""
         count = {"token_mean": self.tokens, "seq_mean_token_mean": self.sequences,
@@ -188,7 +169,7 @@ def kl_estimate(log_ratio: torch.Tensor, estimator: KLEstimator) -> torch.Tensor
     return log_ratio.exp() - 1 - log_ratio
 
 
-def aggregate_sum(values: torch.Tensor, mask: torch.Tensor, aggregation: Aggregation) -> torch.Tensor:
+def aggregate_sum(values: torch.Tensor, mask: torch.Tensor, aggregation: LossAggregation) -> torch.Tensor:
     """The numerator of the step's loss from per-token ``values`` over this rank's rows; divided by
     ``StepSize.normaliser`` it is: the mean over the step's tokens (token_mean), the mean over its completions
     of each one's token mean (seq_mean_token_mean), or the sum over its tokens divided by completions ×
