@@ -235,11 +235,13 @@ THROUGHPUT = Section(
         Row("`eval_overhead_ratio`", "trainer steps/s with `eval.every_steps = 10` ÷ without `[eval]`, "
             "checkpointing on in both (as the chat example runs: a checkpoint follows each eval): the chat "
             "example's task and shape (16 × 16 completions a step; 64 held-out prompts × 4 samples an eval) on the "
-            "torch backend and the tests' tiny Llama, interleaved pairs of 40 steps after a warm-up, median. "
-            "`python -m bench.evaluation`",
+            "torch backend and the tests' tiny Llama, interleaved pairs of steps 11 to 50 (evals at 20, 30, 40 and "
+            "50), median. The training pauses while an eval generates (its weights must not move), so an eval's "
+            "seconds are the overhead. `python -m bench.evaluation`",
             lambda s: f"{ratio(s['eval_overhead_ratio'])}, spread {num(s['eval_overhead_ratio_spread'])}, "
             f"{s['eval_overhead_pairs']:.0f} pairs ({num(s['eval_steps_per_s_on'])} vs "
-            f"{num(s['eval_steps_per_s_off'])} steps/s, {s['eval_evaluations_per_run']:.0f} evals a run)",
+            f"{num(s['eval_steps_per_s_off'])} steps/s, {s['eval_evaluations_per_run']:.0f} evals a run"
+            + (f" of {num(s['eval_seconds_per_eval'])} s each" if "eval_seconds_per_eval" in s else "") + ")",
             "eval_overhead_ratio"),
         Row("`export_seconds_100m`", "`scd export` of a bundle of a 104M-parameter Llama (hidden 768, 11 layers): "
             "verify, load, cast, write safetensors and tokenizer, fsync, rename; median of 3",

@@ -108,6 +108,7 @@ class Evaluation:
     def __init__(self, config: Config, prompts: list[RenderedPrompt], backend: GenerationBackend, scorer: Scorer,
                  policy: Policy) -> None:
         self._config = config.eval
+        self._batch_sequences = config.generation.group_size  # sequences a backend batch holds per group
         self._prompts = prompts
         self._backend = backend
         self._scorer = scorer
@@ -178,8 +179,8 @@ class Evaluation:
 
     async def _generate(self, requests: list[GroupRequest]) -> list[list[Completion]]:
         """Every request's completions, in order; as many batches at once as the backend takes (as the
-        generation pump sends them)."""
-        size = self._backend.batch_groups
+        generation pump sends them), each of as many sequences as the pump's (``eval_batch_groups``)."""
+        size = eval_batch_groups(self._backend.batch_groups, self._batch_sequences, self._config.samples_per_prompt)
         batches = [requests[start:start + size] for start in range(0, len(requests), size)]
         by_group: dict[str, list[Completion]] = {}
         limiter = anyio.CapacityLimiter(self._backend.max_concurrent_batches)
@@ -196,6 +197,14 @@ class Evaluation:
             for batch in batches:
                 tg.start_soon(run, batch)
         return [by_group[req.group_id] for req in requests]
+
+
+def eval_batch_groups(batch_groups: int, group_size: int, samples_per_prompt: int) -> int:
+    """Eval prompts a backend call takes: as many sequences as the generation pump's batch of ``batch_groups``
+    groups of ``group_size`` (the memory a batch may take), not as many groups.  An eval prompt has
+    ``samples_per_prompt`` siblings, usually far fewer: batched by groups, an eval would make many small batches,
+    each waiting its turn behind the pump's, while training waits for the eval."""
+    return max(1, batch_groups * group_size // samples_per_prompt)
 
 
 def _ignore_sibling(*_: object) -> None:

@@ -18,7 +18,7 @@ from prometheus_client import REGISTRY
 
 from scd.checkpoint import layout
 from scd.config import Config, EvalConfig
-from scd.evaluation import EvalSchedule, Evaluation, ks_for, pass_at_k
+from scd.evaluation import EvalSchedule, Evaluation, eval_batch_groups, ks_for, pass_at_k
 from scd.generation.base import GroupRequest, GroupResult
 from scd.model.prompts import RenderedPrompt
 from scd.records import Completion, FinishReason
@@ -105,6 +105,29 @@ def test_an_evaluation_reports_the_hand_computed_pass_at_k_and_reward() -> None:
     assert {r.temperature for r in backend.requests} == {0.7}
     assert [r.siblings for r in backend.requests] == [(0, 1, 2, 3)] * 4
     assert [row.completion for row in event.rows] == ["0", "1", "1", "1"]
+
+
+def test_an_eval_batch_holds_as_many_sequences_as_a_generation_batch() -> None:
+    # The chat example on the torch backend: 4 groups of 16 a batch, so 16 eval prompts of 4 samples.
+    assert eval_batch_groups(4, 16, 4) == 16
+    assert eval_batch_groups(1, 16, 4) == 4  # vLLM: one group a call
+    assert eval_batch_groups(2, 2, 8) == 1  # more samples than a batch holds: one prompt at a time
+    prompts = [RenderedPrompt(Prompt(prompt_id=i, prompt=f"p{i}", answer="1", where=f"eval.jsonl:{i + 1}"),
+                              (5, 6), 4) for i in range(19)]
+    config = Config(eval=EvalConfig(path="eval.jsonl", samples_per_prompt=2))
+    backend = _Backend([1] * len(prompts))
+    batches: list[int] = []
+    generate = backend.generate
+
+    async def recording(requests: Sequence[GroupRequest], on_sibling: object) -> list[GroupResult]:
+        batches.append(len(requests))
+        return await generate(requests, on_sibling)
+
+    backend.generate = recording  # type: ignore[method-assign]
+    anyio.run(Evaluation(config, prompts, backend, _Scorer(), _Policy()).run, 1, 1)  # type: ignore[arg-type]
+    per_batch = eval_batch_groups(backend.batch_groups, config.generation.group_size, 2)
+    assert per_batch > backend.batch_groups
+    assert sorted(batches, reverse=True) == [per_batch] * (19 // per_batch) + [19 % per_batch] * (19 % per_batch > 0)
 
 
 def eval_run_config(tmp_path: Path, session_ray: str, tiny_llama: Path, *, every_steps: int = 5) -> Path:
