@@ -17,6 +17,7 @@ when a report is written.
 
 from __future__ import annotations
 
+import logging
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -32,6 +33,8 @@ from scd.errors import ScdError
 from scd.goodput import share_of_generated
 from scd.schema import CheckpointPhase, RestorePhase
 from scd.telemetry.events import Checkpoint, Completions, Eval, Restore, Sample, Start, TrainStep, tag_of
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -271,7 +274,9 @@ def _load(path: Path) -> _Run:
         try:
             record = orjson.loads(line)
         except orjson.JSONDecodeError as exc:
-            raise ScdError(f"{path}:{line_no}: not valid JSON: {exc}") from None
+            # A crash mid-write leaves a torn line, and the next process starts a line of its own after it.
+            log.warning("%s:%d: not valid JSON (torn by a crash mid-write?), skipped: %s", path, line_no, exc)
+            continue
         if not isinstance(record, dict):
             raise ScdError(f"{path}:{line_no}: not a JSON object")
         if record.get("event") not in _KNOWN_EVENTS:
@@ -631,8 +636,9 @@ def _summary(path: Path, run: _Run, unwritten: Sequence[str]) -> str:
 def write_report(events_path: Path, out_dir: Path) -> str:
     """Read the event log at ``events_path``, write the PNG plots into ``out_dir``, return the summary.
 
-    Raises ``ScdError`` for a missing or empty log, a line that is not JSON (naming file and line),
-    or when matplotlib (the ``report`` extra) is not installed.
+    Raises ``ScdError`` for a missing or empty log, a malformed event (naming file and line), or when
+    matplotlib (the ``report`` extra) is not installed.  A line that is not JSON (a write a crash tore) is
+    skipped with a warning naming it.
     """
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg

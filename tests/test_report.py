@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
 import re
 import signal
@@ -161,13 +162,19 @@ def test_a_figure_without_data_is_not_written_and_the_summary_names_it(tmp_path:
     assert rows["eval steps"] == "0"
 
 
-def test_corrupt_line_raises_naming_the_line(tmp_path: Path) -> None:
+def test_a_line_a_crash_tore_is_skipped_with_a_warning_naming_it(tmp_path: Path,
+                                                                  caplog: pytest.LogCaptureFixture) -> None:
     events = _realistic_log()
     log = _write_log(tmp_path / "events.jsonl", events[:3])
+    whole = _write_log(tmp_path / "whole.jsonl", events)
     with log.open("ab") as f:
         f.write(b'{"event": "train_step", "time": 1700000040.0, "st\n')  # a torn write: line 5, after a blank
-    with pytest.raises(ScdError, match=rf"{re.escape(str(log))}:5: "):
-        write_report(log, tmp_path / "out")
+        f.write(whole.read_bytes().split(b"\n", 3)[3])  # the next process's lines after it
+    with caplog.at_level(logging.WARNING, logger="scd.report"):
+        summary = write_report(log, tmp_path / "out")
+    assert [r.getMessage().split(": not valid JSON")[0] for r in caplog.records] == [f"{log}:5"]
+    # Every other line counted, as in the same log untorn.
+    assert summary.replace(str(log), "LOG") == write_report(whole, tmp_path / "whole-out").replace(str(whole), "LOG")
 
 
 def test_malformed_known_event_raises_naming_the_line(tmp_path: Path) -> None:
