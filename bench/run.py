@@ -459,6 +459,8 @@ async def main(only: frozenset[str] = frozenset()) -> None:
                     continue
                 started = time.monotonic()
                 measured.setdefault(bench_module(bench), {}).update(await bench(tmp))
+                # Merged as each finishes: a module that fails later (an hour in) loses none measured before it.
+                write(measured, tree)
                 print(f"[{name}: {time.monotonic() - started:.0f}s]", flush=True)
     finally:
         tq.close()
