@@ -114,6 +114,9 @@ class TrainStep(Event, tag="train_step", kw_only=True):
     completion_tokens_mean: float | None
     # Each reward's (and reward part's) unweighted mean over the step's completions, by name.
     reward_components: dict[str, float] = msgspec.field(default_factory=dict)
+    # scd_train_is_ratio's numbers as "staleness/stat": the mean and max proximal / behaviour ratio, and the
+    # share of tokens the off-policy correction capped or masked ("clipped_share").
+    is_ratio: dict[str, float] = msgspec.field(default_factory=dict)
 
 
 class SampleRow(msgspec.Struct, kw_only=True):

@@ -55,6 +55,12 @@ train_logprob_mismatch = Gauge(
     "scd_train_logprob_mismatch",
     "Mean and max |trainer logprob - generation logprob| of the last step's on-policy tokens", ["stat"],
 )
+train_is_ratio = Gauge(
+    "scd_train_is_ratio",
+    "Proximal / behaviour logprob ratio of the last step's tokens by staleness (versions the weights that drew "
+    "them lag the trained ones): mean, max, and clipped_share, the share the off-policy correction capped or masked",
+    ["staleness", "stat"],
+)
 weight_sync = Histogram(
     "scd_weight_sync_seconds",
     "Trainer weights to live in the generation backend, per sync, by the path that delivered them "

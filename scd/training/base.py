@@ -4,13 +4,14 @@ Ray (``TrainerGroup``); the controller cannot tell them apart."""
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
 import torch
 
 from scd.records import Rollout
+from scd.training.loss import RatioSums
 
 
 @dataclass(slots=True)
@@ -28,14 +29,26 @@ class StepResult:
     # Seconds the slowest and the fastest rank took (equal at world size 1).
     slowest_rank_s: float = 0.0
     fastest_rank_s: float = 0.0
+    # The step's token statistics by staleness (versions the weights that drew a row lag the trained ones).
+    is_ratio: dict[int, RatioSums] = field(default_factory=dict)
 
-    def event_fields(self) -> dict[str, float | int | None]:
+    def is_ratio_stats(self) -> dict[str, dict[str, float]]:
+        """Per staleness: the mean and max proximal ÷ behaviour ratio of its tokens, and the share of them whose
+        weight the off-policy correction capped or masked."""
+        return {str(lag): {"mean": sums.is_ratio_sum / sums.tokens, "max": sums.is_ratio_max,
+                           "clipped_share": sums.corrected / sums.tokens}
+                for lag, sums in self.is_ratio.items() if sums.tokens}
+
+    def event_fields(self) -> dict[str, object]:
         """The ``train_step`` event's fields from this result."""
         return {"reward_mean": self.reward_mean, "loss": self.loss, "clip_fraction": self.clip_fraction,
                 "entropy": self.entropy, "trained_tokens": self.tokens,
                 "logprob_mismatch_mean": self.logprob_mismatch_mean, "logprob_mismatch_max": self.logprob_mismatch_max,
                 "logprob_mismatch_tokens": self.logprob_mismatch_tokens,
-                "slowest_rank_ms": self.slowest_rank_s * 1e3, "fastest_rank_ms": self.fastest_rank_s * 1e3}
+                "slowest_rank_ms": self.slowest_rank_s * 1e3, "fastest_rank_ms": self.fastest_rank_s * 1e3,
+                # Flat, "staleness/stat", as the trackers name a mapping's numbers.
+                "is_ratio": {f"{lag}/{stat}": value for lag, stats in self.is_ratio_stats().items()
+                             for stat, value in stats.items()}}
 
 
 @dataclass(slots=True)
@@ -50,6 +63,7 @@ class StepShare:
     mismatch_max: float
     mismatch_tokens: int
     seconds: float
+    ratios: dict[int, RatioSums]  # this rank's token statistics by staleness
 
 
 @dataclass(frozen=True, slots=True)

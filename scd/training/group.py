@@ -40,7 +40,8 @@ from scd.model.weights import ChunkedWeights, WeightEntry
 from scd.records import Rollout
 from scd.telemetry import metrics
 from scd.training.base import StepResult, Trainer, TrainerStatistics
-from scd.training.grpo import GRPOTrainer, combine, completion_tokens
+from scd.training.grpo import GRPOTrainer, combine, publish, step_size
+from scd.training.loss import StepSize
 
 log = logging.getLogger(__name__)
 
@@ -154,8 +155,8 @@ def rank_actor() -> Any:
                 entries.append(WeightEntry(name, str(dtype).removeprefix("torch."), tuple(tensor.shape)))
             return entries
 
-        def train(self, groups: list[list[Rollout]], weight_version: int, step_tokens: int) -> Any:
-            return self.trainer.train_share(groups, weight_version, step_tokens)
+        def train(self, groups: list[list[Rollout]], weight_version: int, size: StepSize) -> Any:
+            return self.trainer.train_share(groups, weight_version, size)
 
         def gather(self, names: list[str]) -> Any:
             from scd.training.sharding import gathered
@@ -263,13 +264,12 @@ class TrainerGroup:
     # ---- the trainer interface ------------------------------------------------------------------
 
     def step(self, groups: Sequence[Sequence[Rollout]], weight_version: int) -> StepResult:
-        step_tokens = completion_tokens(groups)
-        shares = self.wait_all([rank.train.remote(shard, weight_version, step_tokens)
+        size = step_size(self.config, groups)
+        shares = self.wait_all([rank.train.remote(shard, weight_version, size)
                                 for rank, shard in zip(self.ranks, shard_groups(groups, len(self.ranks)),
                                                        strict=True)], "training a step")
         result = combine(shares, [r.reward for g in groups for r in g])
-        metrics.trainer_rank_step_seconds.labels("slowest").set(result.slowest_rank_s)
-        metrics.trainer_rank_step_seconds.labels("fastest").set(result.fastest_rank_s)
+        publish(result)
         return result
 
     def capture_state(self) -> _GroupCapture:

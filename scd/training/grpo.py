@@ -1,4 +1,4 @@
-"""GRPO: group-normalised advantages, PPO-clip against the generation logprobs, AdamW.
+"""GRPO: group-normalised advantages, the configured PPO-clip loss (``[trainer.loss]``, scd.training.loss), AdamW.
 
 At every world size the optimizer updates fp32 master weights and keeps fp32 state while the model computes
 in ``model.dtype`` (autocast in scd's own process, FSDP2's ``MixedPrecisionPolicy`` on ranks), unless
@@ -27,6 +27,7 @@ from scd.records import Rollout
 from scd.telemetry import metrics
 from scd.training.base import StepResult, StepShare, TrainerStatistics
 from scd.training.logprobs import chunk_tokens_for, token_logprobs
+from scd.training.loss import LossSettings, RatioSums, StepSize, policy_loss, step_advantages
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +36,10 @@ def combine(shares: Sequence[StepShare], rewards: Sequence[float]) -> StepResult
     """The step's result from every rank's share (one share at world size 1)."""
     tokens = sum(s.tokens for s in shares)
     on_policy = sum(s.mismatch_tokens for s in shares)
+    by_staleness: dict[int, RatioSums] = {}
+    for share in shares:
+        for lag, sums in share.ratios.items():
+            by_staleness[lag] = by_staleness[lag] + sums if lag in by_staleness else sums
     return StepResult(
         loss=sum(s.loss for s in shares), reward_mean=sum(rewards) / len(rewards),
         clip_fraction=sum(s.clipped_tokens for s in shares) / tokens,
@@ -43,7 +48,19 @@ def combine(shares: Sequence[StepShare], rewards: Sequence[float]) -> StepResult
         logprob_mismatch_max=max(s.mismatch_max for s in shares if s.mismatch_tokens) if on_policy else None,
         logprob_mismatch_tokens=on_policy,
         slowest_rank_s=max(s.seconds for s in shares), fastest_rank_s=min(s.seconds for s in shares),
+        is_ratio=dict(sorted(by_staleness.items())),
     )
+
+
+def publish(result: StepResult) -> None:
+    """The step's gauges that the trainer measures: its ranks' seconds and its importance ratios by staleness
+    (a lag the step had no rows of is dropped, not left at an older step's value)."""
+    metrics.trainer_rank_step_seconds.labels("slowest").set(result.slowest_rank_s)
+    metrics.trainer_rank_step_seconds.labels("fastest").set(result.fastest_rank_s)
+    metrics.train_is_ratio.clear()
+    for lag, stats in result.is_ratio_stats().items():
+        for stat, value in stats.items():
+            metrics.train_is_ratio.labels(lag, stat).set(value)
 
 
 def _nothing() -> None:
@@ -126,14 +143,30 @@ def _param_groups(optimizer_state: dict[str, Any]) -> list[dict[str, Any]]:
     return [{**group, "params": list(group["params"])} for group in optimizer_state["param_groups"]]
 
 
-def completion_tokens(groups: Sequence[Sequence[Rollout]]) -> int:
-    """The tokens a step's loss is normalised over: every completion token of every row."""
-    return sum(len(r.logprobs) for g in groups for r in g)
+def step_size(config: Config, groups: Sequence[Sequence[Rollout]]) -> StepSize:
+    """What the whole step's loss is divided by, counted over all its groups before any rank trains: each rank
+    divides its own sum by it, so a sharded step trains world size 1's loss.  No row counts as truncated:
+    mask_truncated is no config key yet."""
+    rows = [r for g in groups for r in g]
+    return StepSize.of([len(r.logprobs) for r in rows], [False] * len(rows), LossSettings.of(config.trainer.loss),
+                       config.generation.max_new_tokens)
 
 
-def group_advantages(rewards: torch.Tensor, eps: float) -> torch.Tensor:
-    """``(r - mean) / (std + eps)`` within one group."""
-    return (rewards - rewards.mean()) / (rewards.std() + eps)
+def padded_rows(rows: Sequence[Rollout], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The rows as a batch: tokens ``[rows, width]``, their behaviour (engine) logprobs and a mask that is 1.0
+    on completion tokens, ``[rows, width - 1]`` (position p predicts token p + 1)."""
+    width = max(len(r.input_ids) for r in rows)
+    tokens = torch.full((len(rows), width), pad_id, dtype=torch.int64)
+    behaviour = torch.zeros(len(rows), width - 1)
+    mask = torch.zeros(len(rows), width - 1)
+    for i, r in enumerate(rows):
+        n = len(r.input_ids)
+        tokens[i, :n] = r.input_ids
+        # Completion tokens start at prompt_len.
+        span = slice(r.prompt_len - 1, n - 1)
+        behaviour[i, span] = r.logprobs
+        mask[i, span] = 1.0
+    return tokens, behaviour, mask
 
 
 def completion_logprobs(logp: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
@@ -150,7 +183,9 @@ class GRPOTrainer:
         self.policy = policy
         self.device = torch.device(config.trainer.device)
         self.model = policy.build_model().to(self.device)
+        self.config = config
         self.cfg = config.trainer
+        self.loss = LossSettings.of(config.trainer.loss)
         self.sampling = Sampling.of(config.generation)
         self.sharded = sharded
         self.world_size = 1
@@ -277,10 +312,10 @@ class GRPOTrainer:
 
     def step(self, groups: Sequence[Sequence[Rollout]], weight_version: int) -> StepResult:
         """One optimisation step on ``groups`` with the weights of ``weight_version``; blocking (worker thread)."""
-        share = self.train_share(groups, weight_version, completion_tokens(groups))
-        metrics.trainer_rank_step_seconds.labels("slowest").set(share.seconds)
-        metrics.trainer_rank_step_seconds.labels("fastest").set(share.seconds)
-        return combine([share], [r.reward for g in groups for r in g])
+        share = self.train_share(groups, weight_version, step_size(self.config, groups))
+        result = combine([share], [r.reward for g in groups for r in g])
+        publish(result)
+        return result
 
     def computing(self) -> torch.autocast:
         """The context the model computes in: autocast to the compute dtype over fp32 masters."""
@@ -302,61 +337,49 @@ class GRPOTrainer:
         zeros = torch.zeros(mask.shape, dtype=chosen.dtype, device=mask.device)
         return zeros.masked_scatter(at, chosen), zeros.masked_scatter(at, entropy)
 
-    def train_share(self, groups: Sequence[Sequence[Rollout]], weight_version: int, step_tokens: int) -> StepShare:
-        """This rank's part of one step: the loss over its ``groups``, normalised by ``step_tokens`` (the
-        whole step's, on every rank), so that gradients summed over ranks are world size 1's gradient."""
+    def train_share(self, groups: Sequence[Sequence[Rollout]], weight_version: int, size: StepSize) -> StepShare:
+        """This rank's part of one step: the loss over its ``groups`` divided by the whole step's ``size`` (on
+        every rank), so that gradients summed over ranks are world size 1's gradient.
+
+        Of scd.training.loss's three logprobs, the behaviour ones are the rollouts' (the engine's) and the
+        current ones this forward's.  The proximal ones, the weights' the step starts from, are the current ones
+        detached: a train step takes one optimizer step, so its pre-update policy is the policy of this very
+        forward, and no extra forward is needed.  Without an off-policy correction the clip anchors to the
+        behaviour logprobs, the loss scd always trained."""
         started = time.perf_counter()
         rows = [row for group in groups for row in group]
-        advantages = torch.cat([
-            group_advantages(torch.tensor([r.reward for r in g]), self.cfg.advantage_eps) for g in groups
-        ])
-        width = max(len(r.input_ids) for r in rows)
-        tokens = torch.full((len(rows), width), self.policy.pad_id, dtype=torch.int64)
-        old_logp = torch.zeros(len(rows), width - 1)
-        mask = torch.zeros(len(rows), width - 1)
-        for i, r in enumerate(rows):
-            n = len(r.input_ids)
-            tokens[i, :n] = r.input_ids
-            # Position p predicts token p+1; completion tokens start at prompt_len.
-            span = slice(r.prompt_len - 1, n - 1)
-            old_logp[i, span] = r.logprobs
-            mask[i, span] = 1.0
-
-        tokens, old_logp, mask = tokens.to(self.device), old_logp.to(self.device), mask.to(self.device)
-        advantages = advantages.to(self.device)
+        settings = self.loss
+        advantages = step_advantages([[r.reward for r in g] for g in groups], self.cfg.advantage_eps,
+                                     normalize_std=settings.normalize_advantage_std).to(self.device)
+        tokens, behaviour, mask = (t.to(self.device) for t in padded_rows(rows, self.policy.pad_id))
         self.model.train()
         with self.computing():
-            new_logp, token_entropy = self.completion_token_logprobs(tokens, mask)
-        ratio = torch.exp(new_logp - old_logp)
-        adv = advantages.unsqueeze(1)
-        clipped = torch.clamp(ratio, 1 - self.cfg.loss.clip_low, 1 + self.cfg.loss.clip_high)
-        surrogate = -torch.minimum(ratio * adv, clipped * adv)
-        n_tokens = mask.sum()
-        # FSDP averages gradients over the ranks: scaled by the world size, each rank's sum over the
-        # whole step's tokens adds up to the world-size-1 loss.
-        policy_loss = (surrogate * mask).sum() / step_tokens
-        loss = policy_loss
+            current, token_entropy = self.completion_token_logprobs(tokens, mask)
+        proximal = None if settings.off_policy_correction == "none" else current.detach()
         # Measured on every step (a logged 0 would read as a collapsed policy); in the loss only with a bonus.
-        entropy_sum = (token_entropy * mask).sum()
-        if self.cfg.entropy_coef:
-            loss = loss - self.cfg.entropy_coef * entropy_sum / step_tokens
-
-        (loss * self.world_size).backward()
+        out = policy_loss(current, behaviour, advantages, mask, size, settings, proximal=proximal,
+                          entropy=token_entropy, entropy_coef=self.cfg.entropy_coef)
+        # FSDP averages gradients over the ranks: scaled by the world size, each rank's share of the whole
+        # step's loss adds up to the world-size-1 loss.
+        (out.loss * self.world_size).backward()
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm)
         self.optimizer.step()
         # Freed now, not at the next step: a weight sync's model-dtype copy and a capture come in between.
         self.optimizer.zero_grad(set_to_none=True)
         with torch.no_grad():
-            outside = (ratio < 1 - self.cfg.loss.clip_low) | (ratio > 1 + self.cfg.loss.clip_high)
-            clipped_tokens = (outside.float() * mask).sum()
             on_policy = torch.tensor([r.weight_version == weight_version and r.single_version for r in rows],
                                      device=self.device)
-            gap = ((new_logp - old_logp).abs() * mask)[on_policy]
+            gap = ((current - behaviour).abs() * mask)[on_policy]
             on_policy_tokens = int(mask[on_policy].sum())
+        # Staleness: how many versions the weights that drew a row are behind the ones trained.
+        lags = [weight_version - r.weight_version for r in rows]
+        whole = out.statistics.sums()
         return StepShare(
-            loss=float(loss.detach()), tokens=int(n_tokens), clipped_tokens=float(clipped_tokens),
-            entropy_sum=float(entropy_sum.detach()),
+            loss=float(out.loss.detach()), tokens=int(whole.tokens), clipped_tokens=whole.clipped,
+            entropy_sum=whole.entropy_sum,
             mismatch_sum=float(gap.sum()) if on_policy_tokens else 0.0,
             mismatch_max=float(gap.max()) if on_policy_tokens else 0.0,
             mismatch_tokens=on_policy_tokens, seconds=time.perf_counter() - started,
+            ratios={lag: out.statistics.sums(torch.tensor([x == lag for x in lags], device=self.device))
+                    for lag in sorted(set(lags))},
         )

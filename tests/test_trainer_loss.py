@@ -1,0 +1,153 @@
+"""The trainer's step trains the configured loss (scd.training.loss): at the defaults the loss scd trained
+before the options existed, bit for bit, updated weights included; each option changes the step's loss as
+defined, on a fixed batch through ``GRPOTrainer``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import orjson
+import pytest
+import torch
+from prometheus_client import REGISTRY
+
+from scd.config import Config, parse_config
+from scd.model.policy import build_policy
+from scd.records import Rollout
+from scd.schema import RunIdentity
+from scd.telemetry.trackers import point_of
+from scd.training.grpo import GRPOTrainer, padded_rows
+from tests.test_loss import todays_advantages, todays_loss
+
+MAX_NEW_TOKENS = 12
+
+
+def config_for(tmp_path: Path, entropy_coef: float = 0.0, **loss: object) -> Config:
+    return parse_config({"run": {"output_dir": str(tmp_path)}, "generation": {"max_new_tokens": MAX_NEW_TOKENS},
+                         "trainer": {"lr": 1e-2, "entropy_coef": entropy_coef, "loss": loss}}, tmp_path)
+
+
+def trainer_for(config: Config) -> GRPOTrainer:
+    return GRPOTrainer(config, build_policy(config.model, config.run.seed))
+
+
+def fixed_batch(trainer: GRPOTrainer, seed: int) -> list[list[Rollout]]:
+    """Three groups of four completions of 2 to 12 tokens, rewards that differ within each group, and
+    behaviour logprobs the trainer's own plus noise, so that some ratios leave every clip and cap; the rows
+    of weight versions 0 and 1."""
+    generator = torch.Generator().manual_seed(seed)
+    vocab = trainer.head.weight.shape[0]
+    groups = []
+    for g in range(3):
+        group = []
+        for r in range(4):
+            prompt, completion = 3 + r, 2 + (5 * g + 3 * r) % (MAX_NEW_TOKENS - 1)
+            ids = torch.randint(4, vocab, (prompt + completion,), generator=generator)
+            mask = torch.zeros(1, len(ids) - 1)
+            mask[0, prompt - 1:] = 1.0
+            with torch.no_grad():
+                own, _ = trainer.completion_token_logprobs(ids[None], mask)
+            noise = torch.randn(completion, generator=generator) * 0.6
+            group.append(Rollout(ids, own[0, prompt - 1:] + noise, prompt,
+                                 reward=float(torch.rand((), generator=generator)), weight_version=r % 2))
+        groups.append(group)
+    return groups
+
+
+def reference_step(trainer: GRPOTrainer, groups: list[list[Rollout]]) -> float:
+    """GRPOTrainer.train_share's step before [trainer.loss] existed (commit 449c03a), copied: PPO-clip against
+    the engine's logprobs, a token mean over the step, std-normalised advantages."""
+    cfg = trainer.cfg
+    tokens, old_logp, mask = padded_rows([r for g in groups for r in g], trainer.policy.pad_id)
+    trainer.model.train()
+    with trainer.computing():
+        new_logp, token_entropy = trainer.completion_token_logprobs(tokens, mask)
+    loss, _, _ = todays_loss(new_logp, old_logp, mask, todays_advantages(groups, cfg.advantage_eps), token_entropy,
+                             cfg.entropy_coef, sum(len(r.logprobs) for g in groups for r in g))
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(trainer.model.parameters(), cfg.max_grad_norm)
+    trainer.optimizer.step()
+    trainer.optimizer.zero_grad(set_to_none=True)
+    return float(loss.detach())
+
+
+@pytest.mark.parametrize("entropy_coef", [0.0, 0.01])
+def test_the_default_step_is_todays_step_bit_for_bit_loss_and_weights(tmp_path: Path, entropy_coef: float) -> None:
+    config = config_for(tmp_path, entropy_coef)
+    ours, reference = trainer_for(config), trainer_for(config)
+    for p, q in zip(ours.model.parameters(), reference.model.parameters(), strict=True):
+        assert torch.equal(p, q)
+    for step in range(2):  # the second on the optimizer state of the first
+        groups = fixed_batch(reference, step)
+        result = ours.step(groups, weight_version=1)
+        assert result.loss == reference_step(reference, groups)
+        for (name, p), q in zip(ours.model.named_parameters(), reference.model.parameters(), strict=True):
+            assert torch.equal(p, q), name
+
+
+def expected_loss(trainer: GRPOTrainer, groups: list[list[Rollout]], clip_high: float = 0.2, tis: bool = False,
+                  sum_norm: bool = False, normalize_std: bool = True) -> tuple[float, torch.Tensor, torch.Tensor]:
+    """The step's loss by hand from the trainer's logprobs before the step, and the ratio and mask it used."""
+    rows = [r for g in groups for r in g]
+    tokens, behaviour, mask = padded_rows(rows, trainer.policy.pad_id)
+    with torch.no_grad():
+        current, _ = trainer.completion_token_logprobs(tokens, mask)
+    eps = trainer.cfg.advantage_eps
+    advantages = torch.cat([
+        (rewards - rewards.mean()) / (rewards.std() + eps) if normalize_std else rewards - rewards.mean()
+        for rewards in (torch.tensor([r.reward for r in g]) for g in groups)]).unsqueeze(1)
+    ratio = torch.exp(current - behaviour)
+    if tis:  # the clip's ratio is current ÷ proximal = 1; each token weighted min(r, is_cap = 2)
+        token_loss = -advantages * ratio.clamp(max=2.0)
+    else:
+        token_loss = -torch.minimum(ratio * advantages, ratio.clamp(0.8, 1 + clip_high) * advantages)
+    normaliser = len(rows) * MAX_NEW_TOKENS if sum_norm else mask.sum()
+    return float((token_loss * mask).sum() / normaliser), ratio, mask
+
+
+@pytest.mark.parametrize(("loss", "expected"), [
+    ({"off_policy_correction": "tis"}, {"tis": True}),
+    ({"clip_high": 0.28}, {"clip_high": 0.28}),
+    ({"aggregation": "seq_mean_token_sum_norm"}, {"sum_norm": True}),
+    ({"normalize_advantage_std": False}, {"normalize_std": False}),
+])
+def test_each_loss_option_changes_the_steps_loss_as_defined(tmp_path: Path, loss: dict[str, object],
+                                                             expected: dict[str, object]) -> None:
+    trainer = trainer_for(config_for(tmp_path, **loss))
+    groups = fixed_batch(trainer, 0)
+    value, _, _ = expected_loss(trainer, groups, **expected)
+    default, _, _ = expected_loss(trainer, groups)
+    assert trainer.step(groups, weight_version=1).loss == pytest.approx(value, rel=1e-5, abs=1e-7)
+    assert value != pytest.approx(default, rel=1e-3)
+
+
+def test_the_importance_ratios_by_staleness_reach_the_result_the_gauge_and_the_event(tmp_path: Path) -> None:
+    trainer = trainer_for(config_for(tmp_path, off_policy_correction="tis"))
+    groups = fixed_batch(trainer, 0)
+    _, ratio, mask = expected_loss(trainer, groups, tis=True)
+    # Trained at weight version 1: rows of version 1 are 0 versions stale, of version 0 one.
+    lags = torch.tensor([1 - r.weight_version for g in groups for r in g])
+    result = trainer.step(groups, weight_version=1)
+    assert sorted(result.is_ratio) == [0, 1]
+    stats = result.is_ratio_stats()
+    event = result.event_fields()["is_ratio"]
+    assert event == {f"{lag}/{stat}": value for lag in ("0", "1") for stat, value in stats[lag].items()}
+    # What the trackers get of the train_step event: its numbers, a mapping's one level down.
+    point = point_of(orjson.loads(orjson.dumps({"event": "train_step", "step": 3, "time": 1.0,
+                                                 **result.event_fields()})), RunIdentity(run_id="r", started_at=0.0))
+    assert point.scalars["train/is_ratio/1/max"] == stats["1"]["max"]
+    for lag in (0, 1):
+        tokens = mask[lags == lag].bool()
+        ratios = ratio[lags == lag][tokens]
+        want = {"mean": float(ratios.mean()), "max": float(ratios.max()),
+                "clipped_share": float((ratios > 2).float().mean())}
+        assert 0 < want["clipped_share"] < 1
+        for stat, value in want.items():
+            assert stats[str(lag)][stat] == pytest.approx(value, rel=1e-5), (lag, stat)
+            assert REGISTRY.get_sample_value("scd_train_is_ratio", {"staleness": str(lag), "stat": stat}) == \
+                stats[str(lag)][stat]
+    # A step of fresh rows only: the lag it had none of leaves the gauge, not kept at the older step's value.
+    fresh = [[Rollout(r.input_ids, r.logprobs, r.prompt_len, r.reward, weight_version=1) for r in g] for g in groups]
+    trainer.step(fresh, weight_version=1)
+    assert REGISTRY.get_sample_value("scd_train_is_ratio", {"staleness": "1", "stat": "mean"}) is None
+    assert REGISTRY.get_sample_value("scd_train_is_ratio", {"staleness": "0", "stat": "mean"}) > 0
