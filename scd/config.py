@@ -190,6 +190,11 @@ class TrainerConfig(_Section):
     # torch device of the trained policy ("cpu", "cuda", "cuda:1", ...); weights reach generation from host memory.
     device: str = "cpu"
     lr: float = 1e-3
+    # The learning rate of each optimizer step is lr times scd.training.schedule.lr_factor: a linear warmup
+    # over warmup_steps, then constant, or a cosine or linear decay to min_lr_ratio x lr at run.max_steps.
+    lr_schedule: Literal["constant", "cosine", "linear"] = "constant"
+    warmup_steps: int = 0
+    min_lr_ratio: float = 0.0
     groups_per_step: int = 16
     # The older key for both clips, trainer.loss.clip_low and clip_high; None: not given.
     clip_eps: float | None = None
@@ -855,6 +860,8 @@ def validate(config: Config) -> None:
     _require(tr.groups_per_step >= 1, "trainer.groups_per_step", "must be >= 1")
     _require(tr.clip_eps is None or 0 < tr.clip_eps < 1, "trainer.clip_eps", f"must be in (0, 1), got {tr.clip_eps}")
     tr.loss.check()
+    _require(tr.warmup_steps >= 0, "trainer.warmup_steps", f"must be >= 0, got {tr.warmup_steps}")
+    _require(0 <= tr.min_lr_ratio <= 1, "trainer.min_lr_ratio", f"must be in [0, 1], got {tr.min_lr_ratio}")
     _require(tr.torch_threads >= 1, "trainer.torch_threads", "must be >= 1")
     _require(tr.world_size >= 1, "trainer.world_size", f"must be >= 1, got {tr.world_size}")
     _require(tr.groups_per_step >= tr.world_size, "trainer.groups_per_step",

@@ -28,6 +28,7 @@ from scd.telemetry import metrics
 from scd.training.base import StepResult, StepShare, TrainerStatistics
 from scd.training.logprobs import chunk_tokens_for, token_logprobs
 from scd.training.loss import LossSettings, RatioSums, StepSize, policy_loss, step_advantages
+from scd.training.schedule import lr_factor
 
 log = logging.getLogger(__name__)
 
@@ -221,6 +222,10 @@ class GRPOTrainer:
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=self.cfg.lr, weight_decay=self.cfg.weight_decay
         )
+        for group in self.optimizer.param_groups:
+            # The rate the schedule scales (torch's LRScheduler's name for it); "lr" is the scheduled one of the
+            # last step.  Both go into a bundle with the optimizer state.
+            group["initial_lr"] = self.cfg.lr
         if self.device.type == "cuda" and not sharded:  # what ``capture_state`` copies into
             self._host_buffers = HostBuffers(pinned_like)
             self._copy_stream = torch.cuda.Stream(self.device)
@@ -273,14 +278,26 @@ class GRPOTrainer:
         else:
             self.model.load_state_dict(model)
             self.optimizer.load_state_dict(optimizer)
-        configured = {"lr": self.cfg.lr, "weight_decay": self.cfg.weight_decay}
+        configured = {"initial_lr": self.cfg.lr, "weight_decay": self.cfg.weight_decay}
         changes: dict[str, list[float]] = {}
         for group in self.optimizer.param_groups:
+            # A bundle's "lr" is its last step's scheduled rate; the configured one compares with its base, which
+            # a bundle from before schedules lacks: its rate was constant, its "lr" the base.
+            group.setdefault("initial_lr", group["lr"])
             for key, value in configured.items():
                 if group[key] != value:
-                    changes[f"trainer.{key}"] = [group[key], value]
+                    changes["trainer.lr" if key == "initial_lr" else f"trainer.{key}"] = [group[key], value]
+                    if key == "initial_lr":  # the bundle's scheduled factor, of the new base until the next step
+                        group["lr"] = value * (group["lr"] / group[key])
                     group[key] = value
         return changes
+
+    def lr_at(self, steps_taken: int) -> float:
+        """The learning rate of the optimizer step that follows ``steps_taken`` steps: ``trainer.lr`` times
+        ``trainer.lr_schedule``'s factor, the schedule planned over ``run.max_steps``."""
+        cfg = self.cfg
+        return cfg.lr * lr_factor(steps_taken, total_steps=self.config.run.max_steps, schedule=cfg.lr_schedule,
+                                  warmup_steps=cfg.warmup_steps, min_lr_ratio=cfg.min_lr_ratio)
 
     def capture_state(self) -> CopiedState:
         if self.sharded or self.device.type != "cuda":
@@ -363,6 +380,10 @@ class GRPOTrainer:
         # step's loss adds up to the world-size-1 loss.
         (out.loss * self.world_size).backward()
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm)
+        # The weights of version v have taken v optimizer steps (the trainer step and the weight version move
+        # together): the schedule's whole state is in every bundle, and a restored run goes on with it.
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.lr_at(weight_version)
         self.optimizer.step()
         # Freed now, not at the next step: a weight sync's model-dtype copy and a capture come in between.
         self.optimizer.zero_grad(set_to_none=True)
