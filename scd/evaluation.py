@@ -151,8 +151,7 @@ class Evaluation:
             completions = await self._generate(requests)
         texts = await anyio.to_thread.run_sync(
             lambda: [[self._policy.decode(c.token_ids) for c in group] for group in completions])
-        inputs = [RewardInput(p.prompt.prompt_id, p.prompt.prompt, text, p.prompt.answer, p.prompt.row,
-                              p.prompt.where)
+        inputs = [RewardInput.of(p.prompt, text)
                   for p, group in zip(self._prompts, texts, strict=True) for text in group]
         await faults.wait_at("during_eval")
         scored = await scores_when_available(self._scorer, inputs, observe=False)  # an outage is waited out

@@ -385,8 +385,7 @@ class Rollouts:
         inputs: list[RewardInput] = []
         for group, completions in zip(groups, await anyio.to_thread.run_sync(decoded), strict=True):
             prompt = self._prompts[group.prompt_id].prompt
-            inputs.extend(RewardInput(group.prompt_id, prompt.prompt, completion, prompt.answer, prompt.row,
-                                      prompt.where) for completion in completions)
+            inputs.extend(RewardInput.of(prompt, completion) for completion in completions)
         scores = await scores_when_available(self._scorer, inputs)
         rescored, at = [], 0
         for group in groups:

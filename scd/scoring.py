@@ -136,8 +136,7 @@ class ScoringStage:
         return [self._decode(sibling.completion.token_ids) for sibling in batch]
 
     def _input(self, sibling: SiblingToScore, completion: str) -> RewardInput:
-        prompt = self._prompts[sibling.prompt_id].prompt
-        return RewardInput(sibling.prompt_id, prompt.prompt, completion, prompt.answer, prompt.row, prompt.where)
+        return RewardInput.of(self._prompts[sibling.prompt_id].prompt, completion)
 
 
 async def scores_when_available(scorer: Scorer, inputs: Sequence[RewardInput], *, observe: bool = True) -> list[Scored]:

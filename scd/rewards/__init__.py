@@ -67,6 +67,7 @@ from scd.rewards.functions import (
     match_score,
 )
 from scd.rewards.pool import PoolCall, PoolStatistics, WorkerPool
+from scd.tasks import Prompt
 from scd.telemetry import metrics
 
 __all__ = ["Answers", "Outage", "RewardInput", "RewardUnavailable", "Scored", "Scorer", "ScorerStatistics",
@@ -87,6 +88,11 @@ class RewardInput:
     answer: Any
     row: dict[str, Any]  # the row's columns other than prompt and answer
     where: str  # the prompt's file:line (Parquet: file:row N), or the built-in's name and index: what errors name
+
+    @classmethod
+    def of(cls, prompt: Prompt, completion: str) -> RewardInput:
+        """``completion`` of ``prompt``, with the fields the dataset gave it."""
+        return cls(prompt.prompt_id, prompt.prompt, completion, prompt.answer, prompt.row, prompt.where)
 
 
 @dataclass(frozen=True, slots=True)
