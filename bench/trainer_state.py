@@ -11,6 +11,15 @@ at 2 on spawned gloo ranks (FSDP2, on loopback).
   rate moves severalfold between minutes on a shared box).  Goal <= 1.5.
 - ``trainer_state_save_peak_rss_ratio_100m_world{1,2}``: the most rank 0's RSS rose during a save (sampled every
   5 ms) over its share of the state's bytes: the save streams the live tensors without a whole copy.  Goal <= 1.5.
+- ``trainer_load_peak_rss_ratio_world2``: the most a rank's RSS rose (sampled every 5 ms, the worse of two ranks)
+  while it loaded the model as a sharded ``GRPOTrainer`` does at world size 2 (built on the meta device, sharded,
+  filled by ``fill_shards``: each rank reads its own rows of the safetensors) over its share of the model's bytes
+  (fp32 masters), at a tied Llama of ~107M parameters (14 layers).  Goal <= 1.5 plus the largest single tensor: ``trainer_load_largest_tensor_ratio_world2``
+  is that allowance on the same scale.  ``..._broadcast``: the same load with rank 0 reading the whole model and
+  broadcasting it (``set_model_state_dict(broadcast_from_rank0=True)``), the way scd did not choose.
+  ``..._trainer``: the whole ``GRPOTrainer`` built, the load and its output head's check, a forward through the
+  sharded model: FSDP's first forward adds what a first training step would (its all-gathers, kept by the
+  allocator), not weights.
 """
 
 from __future__ import annotations
@@ -23,6 +32,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 from typing import cast
@@ -32,11 +42,17 @@ import orjson
 import torch
 import torch.distributed as dist
 
+from scd.config import Config, derive_config
+from scd.model.policy import Policy
 from scd.training.dcp_state import save_trainer_state
 
+REPO = Path(__file__).resolve().parents[1]
+
 GOALS = {f"trainer_state_{figure}_100m_world{world}": ("<=", 1.5)
-         for figure in ("write_vs_disk", "save_peak_rss_ratio") for world in (1, 2)}
+         for figure in ("write_vs_disk", "save_peak_rss_ratio") for world in (1, 2)} | {
+    "trainer_load_peak_rss_ratio_world2": ("<=", 1.5)}
 REPEATS = 3
+LOAD_MODEL = "llama-100m"
 RANK_TIMEOUT_S = 900
 
 
@@ -149,26 +165,98 @@ def measure(directory: Path) -> dict[str, float]:
     }
 
 
-def _rank_main(rank: int, world: int, port: int, directory: Path) -> None:
-    """One spawned gloo rank: ``measure``, rank 0's figures to directory/figures.json."""
+def _broadcast_fill(model: torch.nn.Module, policy: Policy, device: torch.device, model_dtype: torch.dtype) -> None:
+    """``fill_shards`` the other way: rank 0 reads the whole model and broadcasts it a tensor at a time."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    model.to_empty(device=device)
+    policy.reset_buffers(model)
+    whole = policy.build_model().to(torch.float32).state_dict() if dist.get_rank() == 0 else {}
+    set_model_state_dict(model, whole, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+
+
+def _sharded_load(config: Config, policy: Policy, fill: Callable[..., None]) -> torch.nn.Module:
+    """What a sharded ``GRPOTrainer`` loads (fp32 masters), filled by ``fill``."""
+    from scd.training.sharding import shard_model
+
+    model = policy.build_empty_model().to(torch.float32)
+    shard_model(model, policy, config.trainer, torch.float32, torch.float32)
+    fill(model, policy, torch.device("cpu"), torch.float32)
+    return model
+
+
+def measure_load(directory: Path) -> dict[str, float]:
+    """Blocking, on every rank: a sharded trainer's load of directory/llama-100m, the broadcast load, then a whole
+    sharded trainer; the figures on rank 0 (the worse rank's rise over a rank's share)."""
+    import gc
+
+    from scd.model.policy import build_policy
+    from scd.training.grpo import GRPOTrainer
+    from scd.training.sharding import fill_shards
+
+    world = dist.get_world_size()
+    config = derive_config(REPO / "configs" / "tiny.toml", {"run": {"output_dir": str(directory / "out")}}, {
+        "model": {"name": str(directory / LOAD_MODEL)}, "trainer": {"world_size": world}})
+    policy = build_policy(config.model, config.run.seed)
+    policy.build_empty_model()  # what it imports, outside the figures
+    figures: dict[str, float] = {}
+    for way, load in (("", lambda: _sharded_load(config, policy, fill_shards)),
+                      ("_broadcast", lambda: _sharded_load(config, policy, _broadcast_fill)),
+                      ("_trainer", lambda: GRPOTrainer(config, policy, sharded=True).model)):
+        gc.collect()
+        _barrier()
+        before = rss_bytes()
+        started = time.perf_counter()
+        with PeakRss() as peak:
+            loaded = load()
+        seconds = time.perf_counter() - started
+        rise = torch.tensor([peak.peak - before], dtype=torch.float64)
+        dist.all_reduce(rise, op=dist.ReduceOp.MAX)
+        if way == "":
+            sizes = [p.numel() * p.element_size() for p in loaded.parameters()]
+            share = sum(sizes) / world
+            figures |= {"trainer_load_largest_tensor_ratio_world2": max(sizes) / share,
+                        "trainer_load_model_bytes_world2": float(sum(sizes)),
+                        "trainer_load_parameters_world2": float(sum(p.numel() for p in loaded.parameters()))}
+        figures |= {f"trainer_load_peak_rss_ratio_world2{way}": float(rise) / share,
+                    f"trainer_load_peak_rss_mb_world2{way}": float(rise) / 2**20,
+                    f"trainer_load_s_world2{way}": seconds}
+        del loaded
+    return figures if dist.get_rank() == 0 else {}
+
+
+def load_on_ranks(directory: Path) -> dict[str, float]:
+    """``measure_load`` on two spawned gloo ranks, the tied ~107M Llama written here first."""
+    from bench.trainer_memory import write_tied_llama
+
+    write_tied_llama(directory / LOAD_MODEL, vocab_size=32_000, hidden_size=768, layers=14, heads=12)
+    return measure_on_ranks(directory, job=measure_load)
+
+
+def _rank_main(rank: int, world: int, port: int, directory: Path,
+               job: Callable[[Path], dict[str, float]] = measure) -> None:
+    """One spawned gloo rank: ``job`` (``measure``), rank 0's figures to directory/figures.json."""
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=timedelta(seconds=RANK_TIMEOUT_S))
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=RANK_TIMEOUT_S))
     try:
-        figures = measure(directory)
+        figures = job(directory)
         if rank == 0:
             (directory / "figures.json").write_bytes(orjson.dumps(figures))
     finally:
         dist.destroy_process_group()
 
 
-def measure_on_ranks(directory: Path, world: int = 2) -> dict[str, float]:
-    """``measure`` on ``world`` spawned gloo ranks meeting at a TCPStore on loopback (a port the kernel picks)."""
+def measure_on_ranks(directory: Path, world: int = 2,
+                     job: Callable[[Path], dict[str, float]] = measure) -> dict[str, float]:
+    """``job`` (``measure``) on ``world`` spawned gloo ranks meeting at a TCPStore on loopback (a port the kernel
+    picks)."""
     store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False,
                           timeout=timedelta(seconds=RANK_TIMEOUT_S))
     context = multiprocessing.get_context("spawn")
-    ranks = [context.Process(target=_rank_main, args=(rank, world, store.port, directory)) for rank in range(world)]
+    ranks = [context.Process(target=_rank_main, args=(rank, world, store.port, directory, job))
+             for rank in range(world)]
     for process in ranks:
         process.start()
     for process in ranks:
@@ -180,10 +268,11 @@ def measure_on_ranks(directory: Path, world: int = 2) -> dict[str, float]:
 
 
 async def figures(tmp: Path) -> dict[str, float]:
-    return await anyio.to_thread.run_sync(measure, tmp) | await anyio.to_thread.run_sync(measure_on_ranks, tmp)
+    return (await anyio.to_thread.run_sync(measure, tmp) | await anyio.to_thread.run_sync(measure_on_ranks, tmp)
+            | await anyio.to_thread.run_sync(load_on_ranks, tmp))
 
 
 if __name__ == "__main__":
     with tempfile.TemporaryDirectory(dir=sys.argv[1] if len(sys.argv) > 1 else None) as scratch:
-        print(orjson.dumps(measure(Path(scratch)) | measure_on_ranks(Path(scratch)),
+        print(orjson.dumps(measure(Path(scratch)) | measure_on_ranks(Path(scratch)) | load_on_ranks(Path(scratch)),
                            option=orjson.OPT_INDENT_2).decode())

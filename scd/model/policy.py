@@ -64,6 +64,16 @@ class Policy(Protocol):
         """A fresh model of this policy's architecture and initial weights, in train mode."""
         ...
 
+    def build_empty_model(self) -> nn.Module:
+        """``build_model``'s architecture on the meta device, in train mode: no storage, no weights (a sharded
+        trainer shards it, then fills its shards: ``scd.training.sharding.fill_shards``)."""
+        ...
+
+    def reset_buffers(self, model: nn.Module) -> None:
+        """Give a model built empty, then moved to a device, the non-persistent buffers ``build_model``'s has
+        (RoPE's ``inv_freq``): no checkpoint holds them."""
+        ...
+
     def logits(self, model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
         """Next-token logits ``[batch, time, vocab]`` for right-padded ``tokens``."""
         ...
@@ -144,6 +154,13 @@ class TinyPolicy:
         torch.manual_seed(self._seed)
         return TinyCausalLM(self._config, self.vocab_size)
 
+    def build_empty_model(self) -> nn.Module:
+        with torch.device("meta"):
+            return TinyCausalLM(self._config, self.vocab_size)
+
+    def reset_buffers(self, model: nn.Module) -> None:
+        """The tiny model has no buffers."""
+
     def logits(self, model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
         return model(tokens)
 
@@ -223,6 +240,22 @@ class HFPolicy:
 
         model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=self._dtype, local_files_only=True)
         return model.train()
+
+    def build_empty_model(self) -> nn.Module:
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        config = AutoConfig.from_pretrained(self.model_dir, local_files_only=True)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config, dtype=self._dtype)
+        return model.train()
+
+    def reset_buffers(self, model: nn.Module) -> None:
+        # transformers' own initialisation computes them as ``from_pretrained`` does (it too builds on meta).
+        persistent = set(model.state_dict())
+        for name, module in model.named_modules():
+            prefix = f"{name}." if name else ""
+            if any(f"{prefix}{buffer}" not in persistent for buffer, _ in module.named_buffers(recurse=False)):
+                model._init_weights(module)
 
     def logits(self, model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
         # Right padding: a causal model's logits at real positions never see the pad after them.

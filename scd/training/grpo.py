@@ -183,7 +183,8 @@ class GRPOTrainer:
         torch.manual_seed(config.run.seed)
         self.policy = policy
         self.device = torch.device(config.trainer.device)
-        self.model = policy.build_model().to(self.device)
+        # A rank of a sharded trainer builds the model empty and allocates only its own shards, once sharded.
+        self.model = policy.build_empty_model() if sharded else policy.build_model().to(self.device)
         self.config = config
         self.cfg = config.trainer
         self.loss = LossSettings.of(config.trainer.loss)
@@ -198,8 +199,6 @@ class GRPOTrainer:
             log.warning("trainer.master_dtype = \"model\": the optimizer updates %s weights; updates below "
                         "their resolution are lost", config.model.dtype)
         self.model.to(master)
-        self.head = policy.output_head(self.model)
-        self.chunk_tokens = chunk_tokens_for(self.head.weight.shape[0], self.cfg.logprob_chunk_tokens)
         if self.cfg.activation_checkpointing:
             from torch.distributed._composable import checkpoint
 
@@ -210,15 +209,22 @@ class GRPOTrainer:
         if sharded:
             from torch.distributed.fsdp import register_fsdp_forward_method
 
-            from scd.training.sharding import shard_model
+            from scd.training.sharding import fill_shards, shard_model
 
             self.world_size = shard_model(self.model, policy, config.trainer, self.compute_dtype, master)
+            fill_shards(self.model, policy, self.device, self.model_dtype)
             # The logprobs are computed through the model, as its forward is: FSDP gathers the root's
             # parameters (embedding, final norm, output head) around it and reduces their gradients after.
             # Only sharded: the model holding a method of its trainer keeps both alive in a reference cycle
             # until a garbage collection, and a rank's trainer lives as long as its process anyway.
             self.model.scd_completion_logprobs = self._completion_logprobs
             register_fsdp_forward_method(self.model, "scd_completion_logprobs")
+        # A sharded model's head is checked with its weights in (``output_head`` computes through the model); the
+        # check's forward leaves the root's parameters gathered, as FSDP keeps them for a backward.
+        self.head = policy.output_head(self.model)
+        if sharded:
+            self.model.reshard()
+        self.chunk_tokens = chunk_tokens_for(self.head.weight.shape[0], self.cfg.logprob_chunk_tokens)
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=self.cfg.lr, weight_decay=self.cfg.weight_decay
         )

@@ -7,18 +7,25 @@ is, so one bundle restores at any world size, in scd's process or on ranks.
 
 from __future__ import annotations
 
+import os
+import struct
 from typing import Any
 
+import orjson
 import torch
 from torch import nn
+from torch.distributed.checkpoint import HuggingFaceStorageReader
+from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_optimizer_state_dict,
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+from torch.futures import Future
 
 from scd.config import TrainerConfig
+from scd.errors import ConfigError
 from scd.model.policy import Policy
 
 
@@ -35,6 +42,107 @@ def shard_model(model: nn.Module, policy: Policy, config: TrainerConfig, compute
         fully_shard(layer, mp_policy=precision)
     fully_shard(model, mp_policy=precision)
     return dist.get_world_size()
+
+
+class SliceReader(HuggingFaceStorageReader):
+    """DCP's ``HuggingFaceStorageReader``, reading a rank's rows of each tensor with ``pread`` into its shard.
+
+    torch's own reads through ``safe_open``'s memory map: the pages a rank touches count in its resident memory
+    until the file is closed, a second copy of its shards.  A slice of a tensor's leading rows (FSDP2 shards dim 0)
+    is one byte range of the file: read into the shard itself when the dtypes agree, else through a buffer of the
+    slice.  Any other slice is read through ``safe_open`` as torch's reader does.
+    """
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        per_file: dict[str, list[ReadItem]] = {}
+        for item in plan.items:
+            per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
+        for file_name, items in per_file.items():
+            self._read_file(file_name, items, planner)
+        done: Future[None] = Future()
+        done.set_result(None)
+        return done
+
+    def _read_file(self, file_name: str, items: list[ReadItem], planner: LoadPlanner) -> None:
+        from safetensors import safe_open
+
+        others = []
+        with open(file_name, "rb") as f:
+            (header_bytes,) = struct.unpack("<Q", f.read(8))
+            header = orjson.loads(f.read(header_bytes))
+            for item in items:
+                stored = self.storage_data[item.storage_index]
+                shape = tuple(stored.shape)
+                if not shape or any(offset != 0 or length != size for offset, length, size
+                                    in zip(item.storage_offsets[1:], item.lengths[1:], shape[1:], strict=True)):
+                    others.append(item)
+                    continue
+                row_bytes = stored.dtype.itemsize * torch.Size(shape[1:]).numel()
+                start = 8 + header_bytes + header[item.storage_index.fqn]["data_offsets"][0] \
+                    + item.storage_offsets[0] * row_bytes
+                target = planner.resolve_tensor(item).detach()
+                direct = target.dtype == stored.dtype and target.is_contiguous() and target.device.type == "cpu"
+                into = target if direct else torch.empty(tuple(item.lengths), dtype=stored.dtype)
+                _pread_exactly(f.fileno(), into, start, file_name)
+                if not direct:
+                    target.copy_(into)
+                planner.commit_tensor(item, target)
+        if others:
+            with safe_open(filename=file_name, framework="pt") as f:
+                for item in others:
+                    self._process_read_request(f, item, planner)
+
+
+def _pread_exactly(fd: int, into: torch.Tensor, start: int, file_name: str) -> None:
+    """Fill ``into``'s bytes from ``fd`` at ``start``."""
+    view = memoryview(into.view(torch.uint8).numpy()).cast("B")
+    got = 0
+    while got < len(view):
+        read = os.preadv(fd, [view[got:]], start + got)
+        if read == 0:
+            raise ConfigError("model.name", f"{file_name} ends before the {len(view)} bytes at {start} its "
+                                            "header names: a truncated safetensors file")
+        got += read
+
+
+def fill_shards(model: nn.Module, policy: Policy, device: torch.device, model_dtype: torch.dtype) -> None:
+    """Give a model built empty (``policy.build_empty_model``) and sharded its weights, each rank allocating its own
+    shards only; every rank must call it.
+
+    A Hugging Face model: every rank reads its own slices of the safetensors files (DCP's
+    ``HuggingFaceStorageReader``), so no process holds more than its shards and one tensor's slice in transit, and
+    the ranks read in parallel.  The weights pass through ``model_dtype`` as ``from_pretrained`` casts them at
+    world size 1.  The tiny model has no files: rank 0 builds it from its seed and broadcasts it a tensor at a time.
+    """
+    import torch.distributed as dist
+
+    model.to_empty(device=device)
+    policy.reset_buffers(model)  # first: it may initialise a module's parameters too, which the weights replace
+    if policy.model_dir is None:
+        whole = policy.build_model().state_dict() if dist.get_rank() == 0 else {}
+        set_model_state_dict(model, whole, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+        return
+    import torch.distributed.checkpoint as dcp
+
+    reader = SliceReader(str(policy.model_dir))
+    stored = reader.read_metadata().state_dict_metadata
+    # The parameters themselves (``keep_vars``): a tied one is one tensor, stored under its first name only.
+    own: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        if id(tensor) not in seen:
+            seen.add(id(tensor))
+            own[name] = tensor.detach()
+    if missing := sorted(set(own) - set(stored)):
+        raise ConfigError("model.name", f"{policy.model_dir}: its safetensors files lack {', '.join(missing[:5])}"
+                                        f"{' ...' if len(missing) > 5 else ''} (stored under other names?); a "
+                                        "sharded trainer reads the weights under the model's own names: train "
+                                        "it at trainer.world_size = 1")
+    dcp.load(own, storage_reader=reader)
+    with torch.no_grad():
+        for tensor in own.values():
+            if tensor.is_floating_point() and tensor.dtype != model_dtype:
+                tensor.copy_(tensor.to(model_dtype))
 
 
 def _parameter_names(model: nn.Module) -> list[str]:
