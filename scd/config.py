@@ -196,6 +196,8 @@ class TrainerConfig(_Section):
     warmup_steps: int = 0
     min_lr_ratio: float = 0.0
     groups_per_step: int = 16
+    # A step whose loss or gradient norm is not finite takes no optimizer step; this many in a row stop the run.
+    max_skipped_steps: int = 3
     # The older key for both clips, trainer.loss.clip_low and clip_high; None: not given.
     clip_eps: float | None = None
     loss: LossConfig = msgspec.field(default_factory=LossConfig)
@@ -860,6 +862,7 @@ def validate(config: Config) -> None:
     _require(tr.groups_per_step >= 1, "trainer.groups_per_step", "must be >= 1")
     _require(tr.clip_eps is None or 0 < tr.clip_eps < 1, "trainer.clip_eps", f"must be in (0, 1), got {tr.clip_eps}")
     tr.loss.check()
+    _require(tr.max_skipped_steps >= 1, "trainer.max_skipped_steps", f"must be >= 1, got {tr.max_skipped_steps}")
     _require(tr.warmup_steps >= 0, "trainer.warmup_steps", f"must be >= 0, got {tr.warmup_steps}")
     _require(0 <= tr.min_lr_ratio <= 1, "trainer.min_lr_ratio", f"must be in [0, 1], got {tr.min_lr_ratio}")
     _require(tr.torch_threads >= 1, "trainer.torch_threads", "must be >= 1")

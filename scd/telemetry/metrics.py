@@ -55,6 +55,11 @@ train_logprob_mismatch = Gauge(
     "scd_train_logprob_mismatch",
     "Mean and max |trainer logprob - generation logprob| of the last step's on-policy tokens", ["stat"],
 )
+train_steps_skipped = Counter(
+    "scd_train_steps_skipped",
+    "Train steps that took no optimizer step (weights unchanged), by what was not finite: loss or grad_norm",
+    ["reason"],
+)
 train_is_ratio = Gauge(
     "scd_train_is_ratio",
     "Proximal / behaviour logprob ratio of the last step's tokens by staleness (versions the weights that drew "

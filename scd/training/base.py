@@ -31,6 +31,8 @@ class StepResult:
     fastest_rank_s: float = 0.0
     # The step's token statistics by staleness (versions the weights that drew a row lag the trained ones).
     is_ratio: dict[int, RatioSums] = field(default_factory=dict)
+    # Why the step took no optimizer step ("loss" or "grad_norm": not finite); None: it took one.
+    skipped: str | None = None
 
     def is_ratio_stats(self) -> dict[str, dict[str, float]]:
         """Per staleness: the mean and max proximal ÷ behaviour ratio of its tokens, and the share of them whose
@@ -64,6 +66,7 @@ class StepShare:
     mismatch_tokens: int
     seconds: float
     ratios: dict[int, RatioSums]  # this rank's token statistics by staleness
+    skipped: str | None  # StepResult.skipped
 
 
 @dataclass(frozen=True, slots=True)

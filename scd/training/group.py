@@ -40,7 +40,7 @@ from scd.model.weights import ChunkedWeights, WeightEntry
 from scd.records import Rollout
 from scd.telemetry import metrics
 from scd.training.base import StepResult, Trainer, TrainerStatistics
-from scd.training.grpo import GRPOTrainer, combine, publish, step_size
+from scd.training.grpo import GRPOTrainer, SkippedSteps, combine, publish, step_size
 from scd.training.loss import StepSize
 
 log = logging.getLogger(__name__)
@@ -229,6 +229,7 @@ class TrainerGroup:
         self.places = places
         self._entries = entries
         self._export_s = 0.0
+        self._skipped_steps = SkippedSteps(config.trainer.max_skipped_steps)
         metrics.trainer_world_size.set(len(ranks))
 
     @classmethod
@@ -270,6 +271,7 @@ class TrainerGroup:
                                                        strict=True)], "training a step")
         result = combine(shares, [r.reward for g in groups for r in g])
         publish(result)
+        self._skipped_steps.after(result, groups, weight_version)
         return result
 
     def capture_state(self) -> _GroupCapture:

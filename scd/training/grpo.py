@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from scd.config import Config
+from scd.errors import EXIT_OTHER, ScdError
 from scd.model.policy import Policy, state_copy
 from scd.model.sampling import Sampling
 from scd.model.weights import StorageKey, save_digested, storage_key
@@ -50,7 +51,40 @@ def combine(shares: Sequence[StepShare], rewards: Sequence[float]) -> StepResult
         logprob_mismatch_tokens=on_policy,
         slowest_rank_s=max(s.seconds for s in shares), fastest_rank_s=min(s.seconds for s in shares),
         is_ratio=dict(sorted(by_staleness.items())),
+        skipped=next((s.skipped for s in shares if s.skipped), None),
     )
+
+
+class NonFiniteSteps(ScdError):
+    """``trainer.max_skipped_steps`` train steps in a row had a loss or gradient norm that is not finite."""
+
+    exit_code = EXIT_OTHER
+
+
+class SkippedSteps:
+    """Counts the train steps that took no optimizer step, and those in a row: ``trainer.max_skipped_steps`` of
+    them in a row stop the run (the weights stayed those of the last good step, and so does every bundle)."""
+
+    def __init__(self, max_in_a_row: int) -> None:
+        self.max_in_a_row = max_in_a_row
+        self.in_a_row = 0
+
+    def after(self, result: StepResult, groups: Sequence[Sequence[Rollout]], weight_version: int) -> None:
+        if result.skipped is None:
+            self.in_a_row = 0
+            return
+        self.in_a_row += 1
+        metrics.train_steps_skipped.labels(result.skipped).inc()
+        rewards = [r.reward for g in groups for r in g]
+        log.warning("train step on weight version %d skipped its optimizer step: its %s is not finite (loss %s); "
+                    "its %d groups, %d rows, %d tokens, rewards %.4g..%.4g; %d in a row of trainer.max_skipped_steps "
+                    "= %d", weight_version, result.skipped, result.loss, len(groups), len(rewards), result.tokens,
+                    min(rewards), max(rewards), self.in_a_row, self.max_in_a_row)
+        if self.in_a_row >= self.max_in_a_row:
+            raise NonFiniteSteps(
+                f"{self.in_a_row} train steps in a row had a {result.skipped} that is not finite "
+                f"(trainer.max_skipped_steps = {self.max_in_a_row}); none was applied: the weights and the last "
+                "bundle are those of the last good step")
 
 
 def publish(result: StepResult) -> None:
@@ -188,6 +222,7 @@ class GRPOTrainer:
         self.config = config
         self.cfg = config.trainer
         self.loss = LossSettings.of(config.trainer.loss)
+        self.skipped_steps = SkippedSteps(config.trainer.max_skipped_steps)
         self.sampling = Sampling.of(config.generation)
         self.sharded = sharded
         self.world_size = 1
@@ -338,6 +373,7 @@ class GRPOTrainer:
         share = self.train_share(groups, weight_version, step_size(self.config, groups))
         result = combine([share], [r.reward for g in groups for r in g])
         publish(result)
+        self.skipped_steps.after(result, groups, weight_version)
         return result
 
     def computing(self) -> torch.autocast:
@@ -385,12 +421,18 @@ class GRPOTrainer:
         # FSDP averages gradients over the ranks: scaled by the world size, each rank's share of the whole
         # step's loss adds up to the world-size-1 loss.
         (out.loss * self.world_size).backward()
-        torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm)
-        # The weights of version v have taken v optimizer steps (the trainer step and the weight version move
-        # together): the schedule's whole state is in every bundle, and a restored run goes on with it.
-        for group in self.optimizer.param_groups:
-            group["lr"] = self.lr_at(weight_version)
-        self.optimizer.step()
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm)
+        # Sharded, the norm is over every rank's gradients (a rank's non-finite loss makes them all non-finite),
+        # so every rank decides alike.
+        grad_norm = grad_norm.full_tensor() if self.sharded else grad_norm
+        skipped = "loss" if not torch.isfinite(out.loss.detach()) else \
+            "grad_norm" if not torch.isfinite(grad_norm) else None
+        if skipped is None:
+            # The weights of version v have taken v optimizer steps (the trainer step and the weight version move
+            # together): the schedule's whole state is in every bundle, and a restored run goes on with it.
+            for group in self.optimizer.param_groups:
+                group["lr"] = self.lr_at(weight_version)
+            self.optimizer.step()
         # Freed now, not at the next step: a weight sync's model-dtype copy and a capture come in between.
         self.optimizer.zero_grad(set_to_none=True)
         with torch.no_grad():
@@ -409,4 +451,5 @@ class GRPOTrainer:
             mismatch_tokens=on_policy_tokens, seconds=time.perf_counter() - started,
             ratios={lag: out.statistics.sums(torch.tensor([x == lag for x in lags], device=self.device))
                     for lag in sorted(set(lags))},
+            skipped=skipped,
         )
