@@ -14,9 +14,10 @@ at 2 on spawned gloo ranks (FSDP2, on loopback).
 - ``trainer_load_peak_rss_ratio_world2``: the most a rank's RSS rose (sampled every 5 ms, the worse of two ranks)
   while it loaded the model as a sharded ``GRPOTrainer`` does at world size 2 (built on the meta device, sharded,
   filled by ``fill_shards``: each rank reads its own rows of the safetensors) over its share of the model's bytes
-  (fp32 masters), at a tied Llama of ~107M parameters (14 layers).  Goal <= 1.5 plus the largest single tensor: ``trainer_load_largest_tensor_ratio_world2``
-  is that allowance on the same scale.  ``..._broadcast``: the same load with rank 0 reading the whole model and
-  broadcasting it (``set_model_state_dict(broadcast_from_rank0=True)``), the way scd did not choose.
+  (fp32 masters), at a tied Llama of ~107M parameters (14 layers).  Goal <= 1.5 plus the largest single tensor:
+  ``trainer_load_largest_tensor_ratio_world2`` is that allowance on the same scale.
+  ``..._broadcast``: the same load with rank 0 reading the whole model and broadcasting it
+  (``set_model_state_dict(broadcast_from_rank0=True)``), the way scd did not choose.
   ``..._trainer``: the whole ``GRPOTrainer`` built, the load and its output head's check, a forward through the
   sharded model: FSDP's first forward adds what a first training step would (its all-gathers, kept by the
   allocator), not weights.
