@@ -56,7 +56,10 @@ def configs(tmp_path: Path, model: Path) -> tuple:
     """The HF Llama: scd's tiny transformer has attention key biases, whose gradient is zero but for
     rounding noise, and AdamW scales a gradient of noise up to a step of ``lr`` of either sign at any
     world size.  At lr 1e-3 a weight whose gradient is nearly zero still agrees within 1e-5."""
-    trainer = {"groups_per_step": GROUPS, "entropy_coef": 0.01, "lr": 1e-3}
+    # A loss whose normaliser counts completions and whose correction weights tokens: each rank must divide by
+    # the whole step's count, not its shard's, to train world size 1's loss.
+    trainer = {"groups_per_step": GROUPS, "entropy_coef": 0.01, "lr": 1e-3,
+               "loss": {"aggregation": "seq_mean_token_mean", "off_policy_correction": "tis"}}
     one = tiny_config(tmp_path, "unused", trainer=trainer, model={"name": str(model)})
     # Activation checkpointing recomputes each layer in backward: the same gradients, less memory.
     two = tiny_config(tmp_path, "unused", trainer={**trainer, "world_size": 2, "activation_checkpointing": True},
@@ -89,6 +92,9 @@ async def test_two_ranks_train_exactly_as_one_and_their_state_moves_between_worl
             for field in ("loss", "reward_mean", "clip_fraction", "entropy", "logprob_mismatch_mean",
                           "logprob_mismatch_max"):
                 assert getattr(b, field) == pytest.approx(getattr(a, field), abs=1e-5), field
+            assert sorted(b.is_ratio) == sorted(a.is_ratio) == [0, 1]
+            for lag, stats in a.is_ratio_stats().items():
+                assert b.is_ratio_stats()[lag] == pytest.approx(stats, abs=1e-5), lag
             assert b.slowest_rank_s >= b.fastest_rank_s > 0
 
             # The group's weights leave rank 0 a decoder layer at a time and equal world size 1's.
