@@ -121,7 +121,8 @@ def test_each_loss_option_changes_the_steps_loss_as_defined(tmp_path: Path, loss
     assert value != pytest.approx(default, rel=1e-3)
 
 
-def test_the_importance_ratios_by_staleness_reach_the_result_the_gauge_and_the_event(tmp_path: Path) -> None:
+def test_the_importance_ratios_and_behaviour_kl_by_staleness_reach_the_result_the_gauges_and_the_event(
+        tmp_path: Path) -> None:
     trainer = trainer_for(config_for(tmp_path, off_policy_correction="tis"))
     groups = fixed_batch(trainer, 0)
     _, ratio, mask = expected_loss(trainer, groups, tis=True)
@@ -136,11 +137,18 @@ def test_the_importance_ratios_by_staleness_reach_the_result_the_gauge_and_the_e
     point = point_of(orjson.loads(orjson.dumps({"event": "train_step", "step": 3, "time": 1.0,
                                                  **result.event_fields()})), RunIdentity(run_id="r", started_at=0.0))
     assert point.scalars["train/is_ratio/1/max"] == stats["1"]["max"]
+    assert point.scalars["train/behaviour_kl/0"] == result.behaviour_kl()["0"]
+    assert point.scalars["train/lr"] == result.lr == trainer.cfg.lr == REGISTRY.get_sample_value("scd_train_lr")
     for lag in (0, 1):
         tokens = mask[lags == lag].bool()
         ratios = ratio[lags == lag][tokens]
         want = {"mean": float(ratios.mean()), "max": float(ratios.max()),
                 "clipped_share": float((ratios > 2).float().mean())}
+        # k3 of KL(behaviour ‖ proximal): r - 1 - log r per token.
+        kl = float((ratios - 1 - ratios.log()).mean())
+        assert result.behaviour_kl()[str(lag)] == pytest.approx(kl, rel=1e-4)
+        assert REGISTRY.get_sample_value("scd_train_behaviour_kl", {"staleness": str(lag)}) == \
+            result.behaviour_kl()[str(lag)]
         assert 0 < want["clipped_share"] < 1
         for stat, value in want.items():
             assert stats[str(lag)][stat] == pytest.approx(value, rel=1e-5), (lag, stat)

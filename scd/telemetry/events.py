@@ -117,6 +117,9 @@ class TrainStep(Event, tag="train_step", kw_only=True):
     # scd_train_is_ratio's numbers as "staleness/stat": the mean and max proximal / behaviour ratio, and the
     # share of tokens the off-policy correction capped or masked ("clipped_share").
     is_ratio: dict[str, float] = msgspec.field(default_factory=dict)
+    # By staleness: the mean per-token k3 estimate of KL(behaviour || proximal).
+    behaviour_kl: dict[str, float] = msgspec.field(default_factory=dict)
+    lr: float | None = None  # of the step's optimizer step (None in logs from before it was recorded)
 
 
 class SampleRow(msgspec.Struct, kw_only=True):

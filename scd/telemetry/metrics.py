@@ -60,6 +60,13 @@ train_steps_skipped = Counter(
     "Train steps that took no optimizer step (weights unchanged), by what was not finite: loss or grad_norm",
     ["reason"],
 )
+train_behaviour_kl = Gauge(
+    "scd_train_behaviour_kl",
+    "Mean per-token k3 estimate of KL(behaviour || proximal) of the last step's tokens by staleness: how far the "
+    "engine that drew them was from the weights the step starts from",
+    ["staleness"],
+)
+train_lr = Gauge("scd_train_lr", "Learning rate of the last train step's optimizer step (trainer.lr_schedule)")
 train_is_ratio = Gauge(
     "scd_train_is_ratio",
     "Proximal / behaviour logprob ratio of the last step's tokens by staleness (versions the weights that drew "

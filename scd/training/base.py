@@ -33,6 +33,13 @@ class StepResult:
     is_ratio: dict[int, RatioSums] = field(default_factory=dict)
     # Why the step took no optimizer step ("loss" or "grad_norm": not finite); None: it took one.
     skipped: str | None = None
+    # The learning rate of its optimizer step (trainer.lr_schedule), also of a skipped one's.
+    lr: float = 0.0
+
+    def behaviour_kl(self) -> dict[str, float]:
+        """Per staleness: the mean per-token k3 estimate of KL(behaviour ‖ proximal), how far the engine that drew
+        the tokens was from the weights the step starts from."""
+        return {str(lag): sums.behaviour_kl_sum / sums.tokens for lag, sums in self.is_ratio.items() if sums.tokens}
 
     def is_ratio_stats(self) -> dict[str, dict[str, float]]:
         """Per staleness: the mean and max proximal ÷ behaviour ratio of its tokens, and the share of them whose
@@ -50,7 +57,8 @@ class StepResult:
                 "slowest_rank_ms": self.slowest_rank_s * 1e3, "fastest_rank_ms": self.fastest_rank_s * 1e3,
                 # Flat, "staleness/stat", as the trackers name a mapping's numbers.
                 "is_ratio": {f"{lag}/{stat}": value for lag, stats in self.is_ratio_stats().items()
-                             for stat, value in stats.items()}}
+                             for stat, value in stats.items()},
+                "behaviour_kl": self.behaviour_kl(), "lr": self.lr}
 
 
 @dataclass(slots=True)
@@ -67,6 +75,7 @@ class StepShare:
     seconds: float
     ratios: dict[int, RatioSums]  # this rank's token statistics by staleness
     skipped: str | None  # StepResult.skipped
+    lr: float
 
 
 @dataclass(frozen=True, slots=True)

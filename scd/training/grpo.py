@@ -51,7 +51,7 @@ def combine(shares: Sequence[StepShare], rewards: Sequence[float]) -> StepResult
         logprob_mismatch_tokens=on_policy,
         slowest_rank_s=max(s.seconds for s in shares), fastest_rank_s=min(s.seconds for s in shares),
         is_ratio=dict(sorted(by_staleness.items())),
-        skipped=next((s.skipped for s in shares if s.skipped), None),
+        skipped=next((s.skipped for s in shares if s.skipped), None), lr=shares[0].lr,
     )
 
 
@@ -96,6 +96,10 @@ def publish(result: StepResult) -> None:
     for lag, stats in result.is_ratio_stats().items():
         for stat, value in stats.items():
             metrics.train_is_ratio.labels(lag, stat).set(value)
+    metrics.train_behaviour_kl.clear()
+    for lag, value in result.behaviour_kl().items():
+        metrics.train_behaviour_kl.labels(lag).set(value)
+    metrics.train_lr.set(result.lr)
 
 
 def _nothing() -> None:
@@ -427,11 +431,12 @@ class GRPOTrainer:
         grad_norm = grad_norm.full_tensor() if self.sharded else grad_norm
         skipped = "loss" if not torch.isfinite(out.loss.detach()) else \
             "grad_norm" if not torch.isfinite(grad_norm) else None
+        # The weights of version v have taken v optimizer steps (the trainer step and the weight version move
+        # together): the schedule's whole state is in every bundle, and a restored run goes on with it.
+        lr = self.lr_at(weight_version)
         if skipped is None:
-            # The weights of version v have taken v optimizer steps (the trainer step and the weight version move
-            # together): the schedule's whole state is in every bundle, and a restored run goes on with it.
             for group in self.optimizer.param_groups:
-                group["lr"] = self.lr_at(weight_version)
+                group["lr"] = lr
             self.optimizer.step()
         # Freed now, not at the next step: a weight sync's model-dtype copy and a capture come in between.
         self.optimizer.zero_grad(set_to_none=True)
@@ -451,5 +456,5 @@ class GRPOTrainer:
             mismatch_tokens=on_policy_tokens, seconds=time.perf_counter() - started,
             ratios={lag: out.statistics.sums(torch.tensor([x == lag for x in lags], device=self.device))
                     for lag in sorted(set(lags))},
-            skipped=skipped,
+            skipped=skipped, lr=lr,
         )
