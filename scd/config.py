@@ -308,6 +308,9 @@ class AsyncRLConfig(_Section):
     # staleness window.  Off, buffer_capacity_groups alone limits it (for a custom sampler that needs
     # more candidates than a window's worth): groups beyond the window are generated to go stale.
     pace_admission: bool = True
+    # Dynamic sampling: a complete group whose rewards are all equal carries no GRPO signal; it is neither
+    # committed nor trained (its ledger state and fate: filtered), and admission refills in its place.
+    drop_zero_variance_groups: bool = False
     sampler: SamplerConfig = msgspec.field(default_factory=SamplerConfig)
 
 
@@ -611,6 +614,9 @@ FOREIGN_KEYS: dict[str, tuple[str, str]] = {
     "report_to": ("telemetry.trackers", ""),
     "save_steps": ("checkpointing.interval_s", _BY_TIME),
     "save_freq": ("checkpointing.interval_s", _BY_TIME),
+    "filter_groups.enable": ("async_rl.drop_zero_variance_groups", "it drops groups whose rewards are all equal; "
+                                                                   "admission refills in their place"),
+    "use_dynamic_sampling": ("async_rl.drop_zero_variance_groups", ""),
     "beta": ("", _NO_KL),
     "kl_coef": ("", _NO_KL),
     "kl_loss_coef": ("", _NO_KL),

@@ -11,6 +11,10 @@ Three measures, live (Prometheus gauges, every ``train_step`` event, ``scd repor
 * ``scd_goodput_ratio``: tokens trained over tokens generated, since the run started.  Groups
   committed before it (a restore's) are not this run's generation: their training is left out.
 
+Dynamic sampling (``async_rl.drop_zero_variance_groups``) is a row of its own: the tokens of complete groups
+filtered because their rewards were all equal (``scd_generation_filtered_tokens``) are neither trained nor
+waste; they are what a run pays to find the groups that carry signal, and stay in the generated tokens.
+
 And the bound.  The trainer takes R_t groups per second of its own time (all of it but the waits for a
 batch: reads, steps, weight syncs, checkpoints); generation makes R_g groups per busy second, summed over
 engines.  Within the staleness window generation may run ahead of the trainer only by what the window
@@ -75,6 +79,7 @@ class GoodputReading:
     trainer_starved_ratio: float  # share of the window the trainer waited for a batch: busy falls short of bound by it
     generated_tokens: int  # since the run started
     wasted_tokens: int
+    filtered_tokens: int  # of complete groups with no reward variance: not trained, not waste
     trained_tokens: int  # of groups this run committed
 
     @property
@@ -94,7 +99,7 @@ class GoodputReading:
             "trainer_starved_ratio": self.trainer_starved_ratio,
             "generation_waste_ratio": self.waste_ratio, "goodput_ratio": self.goodput_ratio,
             "run_generated_tokens": self.generated_tokens, "run_wasted_tokens": self.wasted_tokens,
-            "run_trained_tokens": self.trained_tokens,
+            "run_trained_tokens": self.trained_tokens, "run_filtered_tokens": self.filtered_tokens,
         }
 
 
@@ -113,7 +118,7 @@ class GoodputMeter:
         self._eval_tokens = 0
         self.risk = WorkAtRisk(rollouts, backend, tokens)
         self._started_wall = time.time()
-        self._generated_at_start = self._wasted_at_start = 0
+        self._generated_at_start = self._wasted_at_start = self._filtered_at_start = 0
         # The last estimates, kept while the window holds no train step (R_t) or no busy time (R_g).
         self._trainer_rate: float | None = None
         self._generation_rate: float | None = None
@@ -128,7 +133,8 @@ class GoodputMeter:
         """Measure from now: this run's tokens only (a restore's waste is its own event's)."""
         self._started_wall = time.time()
         self._generated_at_start = sum(e.generated_tokens for e in self._backend.engine_activity()) - self._eval_tokens
-        self._wasted_at_start = self._rollouts.statistics().wasted_tokens
+        rollouts = self._rollouts.statistics()
+        self._wasted_at_start, self._filtered_at_start = rollouts.wasted_tokens, rollouts.filtered_tokens
         self._own_trained_tokens = 0
         self._samples.clear()
         self.sample()
@@ -202,11 +208,13 @@ class GoodputMeter:
                  if self._trainer_rate is not None and self._generation_rate else None)
         generated = (sum(e.generated_tokens for e in after.engines.values()) - after.eval_tokens
                      - self._generated_at_start)
+        rollouts = self._rollouts.statistics()
         return GoodputReading(
             engine_busy_ratio=ratios, engine_busy_bound=bound, trainer_groups_per_s=self._trainer_rate,
             generation_groups_per_s=self._generation_rate,
             trainer_starved_ratio=min(1.0, starved / elapsed) if elapsed > 0 else 0.0, generated_tokens=generated,
-            wasted_tokens=self._rollouts.statistics().wasted_tokens - self._wasted_at_start,
+            wasted_tokens=rollouts.wasted_tokens - self._wasted_at_start,
+            filtered_tokens=rollouts.filtered_tokens - self._filtered_at_start,
             trained_tokens=self._own_trained_tokens,
         )
 

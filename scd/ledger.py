@@ -1,7 +1,8 @@
 """The prompt ledger: every admitted prompt, tracked to a terminal state.
 
 States move only forward: in_flight -> ready -> consumed, or any
-non-terminal state -> dropped (with a reason).  A prompt is admitted at most
+non-terminal state -> dropped (with a reason), or in_flight -> filtered (dynamic
+sampling: a complete group whose rewards are all equal, never committed nor trained).  A prompt is admitted at most
 once per epoch; admitting it again is an invariant violation, never a silent
 discard.
 
@@ -25,6 +26,8 @@ class PromptState(enum.StrEnum):
     READY = "ready"
     CONSUMED = "consumed"
     DROPPED = "dropped"
+    # Complete and scored, its rewards all equal (``async_rl.drop_zero_variance_groups``): done for its epoch.
+    FILTERED = "filtered"
 
 
 class DropReason(enum.StrEnum):
@@ -32,10 +35,11 @@ class DropReason(enum.StrEnum):
 
 
 _NEXT: dict[PromptState, frozenset[PromptState]] = {
-    PromptState.IN_FLIGHT: frozenset({PromptState.READY, PromptState.DROPPED}),
+    PromptState.IN_FLIGHT: frozenset({PromptState.READY, PromptState.DROPPED, PromptState.FILTERED}),
     PromptState.READY: frozenset({PromptState.CONSUMED, PromptState.DROPPED}),
     PromptState.CONSUMED: frozenset(),
     PromptState.DROPPED: frozenset(),
+    PromptState.FILTERED: frozenset(),
 }
 
 

@@ -4,7 +4,8 @@
 bundle would not give back: those generated since its cut, plus those in flight at the cut that
 it did not hold.  A cut holds its committed groups' tokens, its staged siblings', and its
 rollouts' part's: finished siblings still queued for staging, and part-way ones where the backend
-resumes them (``GenerationBackend.resumable``).  ``scd_work_at_risk_seconds``: the age of
+resumes them (``GenerationBackend.resumable``); a group filtered for zero reward variance is held once a
+cut records it.  ``scd_work_at_risk_seconds``: the age of
 that cut (before the first bundle: of this process's start, or of the bundle it restored).
 
 Counts are this process's: a restore starts the count at zero, the restored bundle's cut time
@@ -38,7 +39,7 @@ class WorkAtRisk:
         stats = rollouts.statistics()
         self._generated_at_start = tokens.statistics().generated_tokens
         self._wasted_at_start = stats.wasted_tokens
-        self._committed_at_start = stats.committed_tokens
+        self._kept_at_start = stats.committed_tokens + stats.filtered_tokens
         self._newest = CutMark(time.time(), 0, 0)
 
     def _useful(self) -> int:
@@ -50,7 +51,8 @@ class WorkAtRisk:
         stats = self._rollouts.statistics()
         useful = self._useful()
         unstaged = rollouts.finished_tokens() + (rollouts.prefix_tokens() if self._backend.resumable else 0)
-        held = stats.committed_tokens - self._committed_at_start + stats.staged_tokens + unstaged
+        # A filtered group's tokens are held like a committed one's: the cut records its fate, nothing to redo.
+        held = stats.committed_tokens + stats.filtered_tokens - self._kept_at_start + stats.staged_tokens + unstaged
         return CutMark(time.time(), useful, max(0, useful - held))
 
     def finalized(self, mark: CutMark) -> None:

@@ -137,6 +137,7 @@ class RolloutsStatistics:
     awaiting_scores: int  # of those, groups with a sibling not scored yet
     committed_tokens: int  # completion tokens of committed groups
     wasted_tokens: int  # generated tokens thrown away, for any WasteReason
+    filtered_tokens: int  # completion tokens of complete groups filtered for zero reward variance (not waste)
     finished_siblings: int  # held in memory for groups still in flight, staged or not
     staged_tokens: int  # completion tokens of the finished siblings staged in TQ (what a cut keeps of them)
     finished_tokens: int  # completion tokens of every finished sibling held, staged or not
@@ -188,6 +189,8 @@ class Rollouts:
         self._decode = policy.decode
         self._committed_tokens = 0
         self._wasted_tokens = 0
+        self._filtered_tokens = 0
+        self._drop_zero_variance = config.async_rl.drop_zero_variance_groups
         self._capacity = _held_groups_limit(config, state.sampler)
         # In-flight groups to generate before any new admission; None until a restore (or a run) lists them.
         self._requeued: list[GroupRequest] | None = None
@@ -200,6 +203,7 @@ class Rollouts:
             awaiting_scores=sum(not self._fully_scored(group_id) for group_id in self._awaiting),
             committed_tokens=self._committed_tokens,
             wasted_tokens=self._wasted_tokens,
+            filtered_tokens=self._filtered_tokens,
             finished_siblings=sum(len(siblings) for siblings in self._finished.values()),
             staged_tokens=self._staged_tokens(),
             finished_tokens=sum(len(c.token_ids) for siblings in self._finished.values() for c in siblings.values()),
@@ -617,7 +621,9 @@ class Rollouts:
 
     async def commit(self, result: GroupResult, scores: Mapping[int, Scored]) -> None:
         """Commit a finished group with its siblings' ``scores``.  Only a complete group is committed (enforced
-        here): exactly ``group_size`` siblings, none aborted, each scored."""
+        here): exactly ``group_size`` siblings, none aborted, each scored.  With
+        ``async_rl.drop_zero_variance_groups``, one whose rewards are all equal is filtered instead: never put in
+        TQ nor trained, its prompt done for the epoch."""
         req = result.request
         incomplete = result.incomplete_reason()
         if req.siblings != tuple(range(self._group_size)):
@@ -637,12 +643,25 @@ class Rollouts:
             target_step=req.target_step, admitted_at=req.admitted_at, committed_at=time.time(),
             reward_components=_mean_components(scores[index] for index in range(self._group_size)),
         )
+        if self._drop_zero_variance and has_zero_variance(group.rewards):
+            await self._state.filter(group)
+            self._filtered_tokens += group.completion_tokens
+            metrics.groups_filtered.inc()
+            metrics.filtered_tokens.inc(group.completion_tokens)
+            self._on_change()
+            return
         await self._state.commit(group, rollouts)
         self._committed_tokens += group.completion_tokens
         metrics.committed_groups.inc()
         metrics.committed_tokens.inc(group.completion_tokens)
         metrics.group_completion_latency.observe(group.committed_at - req.admitted_at)
         self._on_change()
+
+
+def has_zero_variance(rewards: Sequence[float]) -> bool:
+    """Whether a group's rewards are all exactly equal (a group of one too): every GRPO advantage is then 0, the
+    group carries no signal.  Exact, not within a tolerance: rewards that differ at all rank the completions."""
+    return all(reward == rewards[0] for reward in rewards)
 
 
 def _mean_components(scores: Iterable[Scored]) -> dict[str, float]:

@@ -130,7 +130,8 @@ class Sampler:
         return None
 
     def on_evicted(self, group: GroupMeta) -> None:
-        """A dispatched group was dropped as stale; a gated sampler must not count it as delivered."""
+        """A dispatched group was dropped (stale, or filtered for zero reward variance); a gated sampler must not
+        count it as delivered."""
 
     def select(self, ready: Sequence[GroupMeta], trainer_version: int, trainer_step: int) -> list[GroupMeta]:
         """The groups for the next train step, or [] if they are not ready yet. Never a stale one."""

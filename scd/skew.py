@@ -36,6 +36,8 @@ class Fate(enum.StrEnum):
     # died with the process.  One whose every sibling the cut kept (staged, or finished in the cut) lost
     # nothing and is not counted: it only awaits its commit.
     LOST_TO_CRASH = "lost_to_crash"
+    # Complete, its rewards all equal (``async_rl.drop_zero_variance_groups``): no GRPO signal, never trained.
+    FILTERED = "filtered"
 
 
 @dataclass(frozen=True, slots=True)

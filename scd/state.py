@@ -105,6 +105,7 @@ class StateStatistics:
     in_flight: int
     committed_groups: int
     evicted_stale: int
+    filtered_groups: int  # complete groups with no reward variance, never committed (this process)
     ledger: dict[str, int]
     staged_siblings: int  # finished siblings of in-flight groups staged in TQ now (scd_staged_siblings)
 
@@ -122,6 +123,7 @@ class ControllerState:
         self.in_flight = 0
         self.committed_groups = 0
         self.evicted_stale = 0
+        self.filtered_groups = 0
         self.fates = PromptFates(PromptBuckets.single(num_prompts))
         self.run = new_run_identity()
         self.evaluated_steps: list[int] = []  # held-out evals finished (scd.evaluation.EvalSchedule)
@@ -139,7 +141,8 @@ class ControllerState:
         return StateStatistics(
             trainer_step=self.trainer_step, weight_version=self.weight_version, epoch=self.order.state.epoch,
             replay_groups=len(self.replay), replay_rows=self.replay.rows, in_flight=self.in_flight,
-            committed_groups=self.committed_groups, evicted_stale=self.evicted_stale, ledger=self.ledger.counts(),
+            committed_groups=self.committed_groups, evicted_stale=self.evicted_stale,
+            filtered_groups=self.filtered_groups, ledger=self.ledger.counts(),
             staged_siblings=self.ledger.staged_count(),
         )
 
@@ -235,6 +238,21 @@ class ControllerState:
             self.ledger.advance(group.group_id, PromptState.READY)
             self.in_flight -= 1
             self.committed_groups += 1
+
+    async def filter(self, group: GroupMeta) -> None:
+        """A complete group whose rewards are all equal (no GRPO signal) leaves flight without a commit: its
+        prompt is done for the epoch (ledger and fate: filtered), its staged siblings' keys are cleared, and a
+        gated sampler's quota frees its slot (as for a group dropped stale), so admission refills in its place."""
+        async with self.barrier.mutation(MutationKind.COMMIT):
+            state = self.ledger.state_of(group.group_id)
+            if state is not PromptState.IN_FLIGHT:
+                raise InvariantViolation(f"filter of group {group.group_id} whose ledger state is {state}")
+            self._rows.clear_later(self.ledger.entry(group.group_id).staged_keys())
+            self.ledger.advance(group.group_id, PromptState.FILTERED)
+            self.sampler.on_evicted(group)
+            self.fates.count(group.prompt_id, Fate.FILTERED)
+            self.in_flight -= 1
+            self.filtered_groups += 1
 
     async def replace_ready_groups(self, groups: Sequence[GroupMeta]) -> None:
         """Ready groups scored again (a restore under a changed reward set), each put in place of the group of

@@ -18,11 +18,17 @@ import orjson
 import pytest
 
 from scd.checkpoint import layout
-from scd.checkpoint.verify import verify_bundle
+from scd.checkpoint.verify import VerifiedBundle, verify_bundle
+from scd.config import load_config
+from scd.dataloader import DataloaderState, PromptOrder
+from scd.ledger import PromptState
 from scd.report import goodput_totals
+from scd.skew import Fate
+from scd.tasks import build_task
 from tests.conftest import ScdProcess, write_config
 from tests.support.bundles import part_way_siblings
 from tests.support.waiting import wait_until
+from tests.test_dynamic_sampling import CONSTANT_FOR_SOME_PROMPTS, constant_prompt
 
 CHECKPOINTS = "\n[checkpointing]\nenabled = true\ninterval_s = 0.5\nkeep_last = 3\n"
 KILLS = int(os.environ.get("SCD_SOAK_KILLS", "8"))
@@ -69,8 +75,33 @@ def wait_until_the_newest_bundle_holds_part_way_siblings(root: Path) -> None:
                60, "a bundle holding a part-way sibling", poll_s=0.02)
 
 
+# Dynamic sampling on: the groups of prompts whose reward is constant are filtered, each exactly once per epoch
+# across the kills (tests/test_dynamic_sampling.py has the reward).
+FILTERED = "filtered"
+SAMPLER_KILLS[FILTERED] = max(3, KILLS // 4)
+
+
+def filtered_in(bundle: Path) -> int:
+    fates = orjson.loads((bundle / layout.SIDECAR_FILE).read_bytes())["prompt_fates"].values()
+    return sum(f.get(Fate.FILTERED, 0) for f in fates)
+
+
+def wait_until_the_newest_bundle_holds_more_filtered_prompts(root: Path, than: int) -> int:
+    """The filtered loop kills only then, so that each restore puts back prompts filtered since the last one
+    (a random moment on a loaded box can fall before the first bundle).  Returns how many it holds."""
+    held = [than]
+
+    def more() -> bool:
+        bundles = layout.finalized_bundles(root)
+        held[0] = filtered_in(bundles[-1]) if bundles else than
+        return held[0] > than
+
+    wait_until(more, 60, f"a bundle holding more than {than} filtered prompts", poll_s=0.05)
+    return held[0]
+
+
 def crash_loop_config(tmp_path: Path, sampler: str, ray_address: str) -> Path:
-    name = "windowed" if sampler == PREFIXES else sampler
+    name = "windowed" if sampler in (PREFIXES, FILTERED) else sampler
     sampler_section = f'[async_rl.sampler]\nname = "{name}"\nmax_staleness_versions = 1\n'
     config = write_config(tmp_path, max_steps=100_000, extra=CHECKPOINTS + sampler_section, ray_address=ray_address)
     if sampler == PREFIXES:
@@ -79,7 +110,30 @@ def crash_loop_config(tmp_path: Path, sampler: str, ray_address: str) -> Path:
         text = text.replace(generation, SYNTHETIC_LONG + "\n").replace(
             'name = "reverse"\n', 'name = "reverse"\nmin_digits = 40\nmax_digits = 40\n')
         config.write_text(text + "\n[model]\nmax_len = 128\n")
+    if sampler == FILTERED:
+        (tmp_path / "constant_reward.py").write_text(CONSTANT_FOR_SOME_PROMPTS)
+        text = config.read_text().replace("[async_rl]\n", "[async_rl]\ndrop_zero_variance_groups = true\n")
+        config.write_text(text + '\n[[task.rewards]]\nfunction = "constant_reward:reward"\n')
     return config
+
+
+def check_each_constant_prompt_filtered_once_an_epoch(config: Path, consumed: list[tuple[int, int]],
+                                                      bundle: VerifiedBundle) -> int:
+    """No zero-variance group was trained, and every constant prompt admitted (in any epoch, across every kill)
+    is filtered exactly once or still in flight: the ledger's and the fates' counts agree.  Returns how many."""
+    task = load_config(config).task
+    constant = {p.prompt_id for p in build_task(task) if constant_prompt(p.answer)}
+    assert not {prompt_id for _, prompt_id in consumed} & constant, "a zero-variance group was trained"
+    counts, entries, dataloader = bundle.ledger.counts(), bundle.ledger.entries().values(), bundle.dataloader
+    ranks = PromptOrder(PROMPTS, DataloaderState(seed=task.seed)).ranks(dataloader.epoch)
+    admitted = dataloader.epoch * len(constant) + sum(ranks[p] < dataloader.cursor for p in constant)
+    in_flight = sum(e.state is PromptState.IN_FLIGHT and e.prompt_id in constant for e in entries)
+    assert counts["filtered"] + in_flight == admitted
+    assert all(e.prompt_id in constant for e in entries if e.state is PromptState.FILTERED)
+    fates = bundle.sidecar.prompt_fates.values()
+    assert sum(f[Fate.FILTERED] for f in fates) == counts["filtered"] > 0
+    assert sum(f[Fate.TRAINED] for f in fates) == counts["consumed"]
+    return counts["filtered"]
 
 
 @pytest.mark.parametrize("sampler", list(SAMPLER_KILLS))
@@ -99,7 +153,7 @@ def test_crash_loop_loses_nothing(tmp_path: Path, scd_processes: list[ScdProcess
         events_path = tmp_path / "out" / "events.jsonl"
         return events_path.read_bytes().count(b'"event":"start"') if events_path.exists() else 0
 
-    kills = 0
+    kills = filtered = 0
     while kills < SAMPLER_KILLS[sampler]:
         note_newest_bundle()
         started_before = starts()
@@ -114,6 +168,8 @@ def test_crash_loop_loses_nothing(tmp_path: Path, scd_processes: list[ScdProcess
         time.sleep(rng.uniform(0.0, 2.5))
         if sampler == PREFIXES:
             wait_until_the_newest_bundle_holds_part_way_siblings(root)
+        if sampler == FILTERED:
+            filtered = wait_until_the_newest_bundle_holds_more_filtered_prompts(root, filtered)
         assert scd.proc.poll() is None, scd.output()[-3000:]
         scd.kill_group()
         kills += 1
@@ -156,6 +212,9 @@ def test_crash_loop_loses_nothing(tmp_path: Path, scd_processes: list[ScdProcess
     assert all(type(e["stale_tokens"]) is int and e["stale_tokens"] >= 0 for e in restores)
     if sampler == PREFIXES:
         assert sum(e["siblings_resumed"] for e in restores) > 0, "no restore resumed a part-way sibling"
+    if sampler == FILTERED:
+        print(f"crash loop (filtered): {check_each_constant_prompt_filtered_once_an_epoch(config, consumed, last)} "
+              "groups filtered")
     waste = goodput_totals(events_path)
     print(f"crash loop ({sampler}): {SAMPLER_KILLS[sampler]} kills, {admitted} prompts admitted, "
           f"{counts['consumed']} consumed, {counts['dropped']} dropped, final step {k + 3}; ready groups kept "

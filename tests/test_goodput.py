@@ -204,7 +204,8 @@ def test_an_evaluation_is_a_row_of_its_own_neither_busy_time_nor_generated_token
     now = [1000.0]
     monkeypatch.setattr(time, "monotonic", lambda: now[0])
     engine = _OneEngine()
-    rollouts = SimpleNamespace(statistics=lambda: SimpleNamespace(wasted_tokens=0, committed_tokens=0))
+    rollouts = SimpleNamespace(statistics=lambda: SimpleNamespace(wasted_tokens=0, committed_tokens=0,
+                                                                  filtered_tokens=0))
     config = parse_config({**TESTS_CONFIG, "telemetry": {"goodput_window_s": 100.0}}, tmp_path)
     meter = GoodputMeter(config, rollouts, engine, TokenCounter())  # type: ignore[arg-type]
     meter.start()

@@ -31,11 +31,11 @@ class LedgerMachine(RuleBasedStateMachine):
     def advance(self, data: st.DataObject, target_state: PromptState) -> None:
         gid = data.draw(st.sampled_from(self.admitted))
         current = self.ledger.state_of(gid)
-        legal = {PromptState.IN_FLIGHT: {PromptState.READY, PromptState.DROPPED},
+        legal = {PromptState.IN_FLIGHT: {PromptState.READY, PromptState.DROPPED, PromptState.FILTERED},
                  PromptState.READY: {PromptState.CONSUMED, PromptState.DROPPED}}.get(current, set())
         if target_state in legal:
             self.ledger.advance(gid, target_state, "stale" if target_state is PromptState.DROPPED else "")
-            if target_state in (PromptState.CONSUMED, PromptState.DROPPED):
+            if target_state in (PromptState.CONSUMED, PromptState.DROPPED, PromptState.FILTERED):
                 self.terminal[gid] = target_state
         else:
             with pytest.raises(InvariantViolation):
@@ -58,7 +58,7 @@ class LedgerMachine(RuleBasedStateMachine):
     def every_admitted_prompt_is_accounted_for(self) -> None:
         counts = self.ledger.counts()
         assert sum(counts.values()) == len(self.admitted) == len(set(self.admitted))
-        assert counts["consumed"] + counts["dropped"] == len(self.terminal)
+        assert counts["consumed"] + counts["dropped"] + counts["filtered"] == len(self.terminal)
         for gid in self.admitted:
             state = self.ledger.state_of(gid)
             assert state is not None or gid in self.terminal

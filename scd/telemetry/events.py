@@ -109,6 +109,7 @@ class TrainStep(Event, tag="train_step", kw_only=True):
     run_generated_tokens: int  # run_*: counts since this process's run started
     run_wasted_tokens: int
     run_trained_tokens: int
+    run_filtered_tokens: int  # of groups filtered for zero reward variance (async_rl.drop_zero_variance_groups)
     # Of the complete completions generated since the last step (None: there were none).
     truncation_rate: float | None  # the share that ended at generation.max_new_tokens
     completion_tokens_mean: float | None

@@ -49,6 +49,11 @@ ledger_prompts = Gauge("scd_ledger_prompts", "Prompts in the ledger by state", [
 for _state in PromptState:
     ledger_prompts.labels(_state.value)
 groups_evicted_stale = Counter("scd_groups_evicted_stale", "Groups evicted outside the staleness window")
+groups_filtered = Counter(
+    "scd_groups_filtered", "Complete groups whose rewards were all equal, never trained "
+    "(async_rl.drop_zero_variance_groups)")
+filtered_tokens = Counter("scd_generation_filtered_tokens",
+                          "Completion tokens of the groups filtered for zero reward variance: not trained, not waste")
 train_reward_mean = Gauge("scd_train_reward_mean", "Mean reward of the last train step")
 train_staleness = Gauge("scd_train_staleness_versions", "Max weight-version lag in the last train step")
 train_logprob_mismatch = Gauge(
@@ -265,7 +270,7 @@ class _PromptFatesCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         prompts = CounterMetricFamily(
             "scd_prompts", "Prompts per bucket by fate (admitted, trained, dropped_stale, evicted, redispatched, "
-            "lost_to_crash), across restarts", labels=["bucket", "fate"])
+            "lost_to_crash, filtered), across restarts", labels=["bucket", "fate"])
         tvd = GaugeMetricFamily("scd_training_skew_tvd",
                                 "Total variation distance between admitted and trained prompts over buckets")
         fates = self._fates
