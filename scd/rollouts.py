@@ -190,6 +190,7 @@ class Rollouts:
         self._committed_tokens = 0
         self._wasted_tokens = 0
         self._filtered_tokens = 0
+        self._filtered_in_a_row = 0  # groups filtered since the last commit
         self._drop_zero_variance = config.async_rl.drop_zero_variance_groups
         self._capacity = _held_groups_limit(config, state.sampler)
         # In-flight groups to generate before any new admission; None until a restore (or a run) lists them.
@@ -648,8 +649,16 @@ class Rollouts:
             self._filtered_tokens += group.completion_tokens
             metrics.groups_filtered.inc()
             metrics.filtered_tokens.inc(group.completion_tokens)
+            self._filtered_in_a_row += 1
+            if self._filtered_in_a_row % len(self._prompts) == 0:
+                # No step can fill while this lasts: say so, as verl's max_num_gen_batches would, but go on
+                # (sampling may yet draw a group whose rewards differ; the weights cannot move before it does).
+                log.warning("the last %d complete groups, an epoch's worth of prompts, were all filtered "
+                            "(async_rl.drop_zero_variance_groups): each one's rewards were all equal, so no train "
+                            "step can fill; check the reward", self._filtered_in_a_row)
             self._on_change()
             return
+        self._filtered_in_a_row = 0
         await self._state.commit(group, rollouts)
         self._committed_tokens += group.completion_tokens
         metrics.committed_groups.inc()

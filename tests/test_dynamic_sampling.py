@@ -5,11 +5,14 @@ real TQ (the synthetic engine, a reward that is constant for some prompts)."""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
+import anyio
 import pytest
 from prometheus_client import REGISTRY
 
+from scd.config import Config
 from scd.daemon import Controller
 from scd.dataloader import DataloaderState, PromptOrder
 from scd.errors import InvariantViolation
@@ -17,6 +20,7 @@ from scd.ledger import PromptLedger, PromptState
 from scd.rollouts import has_zero_variance
 from scd.skew import Fate
 from scd.tasks import build_task
+from scd.triggers import Triggers
 from tests.conftest import tiny_config
 from tests.test_daemon import read_events
 
@@ -66,6 +70,17 @@ def test_filtered_is_a_terminal_ledger_state_reached_only_from_in_flight() -> No
     assert restored.state_of(ready) is PromptState.READY
 
 
+def filtering_config(tmp_path: Path, partition: str, prompts: int, reward_module: str, sampler: str) -> Config:
+    """configs/tiny.toml on the synthetic engine, ``prompts`` prompts scored by ``reward_module``'s ``reward``, with
+    dynamic sampling on."""
+    (tmp_path / "constant_reward.py").write_text(reward_module)
+    return tiny_config(tmp_path, partition, task={"size": prompts, "rewards": [{"function": "constant_reward:reward"}]},
+                       generation={"backend": "synthetic", "synthetic": {"tokens_per_s": 20_000.0,
+                                                                         "min_completion_tokens": 1,
+                                                                         "max_completion_tokens": 4}},
+                       async_rl={"drop_zero_variance_groups": True, "sampler": {"name": sampler}})
+
+
 def sample(name: str) -> float:
     return REGISTRY.get_sample_value(name) or 0.0
 
@@ -73,14 +88,8 @@ def sample(name: str) -> float:
 @pytest.mark.parametrize("sampler", ["windowed", "weight_fifo", "in_order"])
 async def test_zero_variance_groups_are_filtered_once_per_epoch_and_every_step_trains_a_full_batch(
         tmp_path: Path, partition: str, sampler: str) -> None:
-    (tmp_path / "constant_reward.py").write_text(CONSTANT_FOR_SOME_PROMPTS)
     prompts = 64
-    task = {"size": prompts, "rewards": [{"function": "constant_reward:reward"}]}
-    config = tiny_config(tmp_path, partition, task=task,
-                         generation={"backend": "synthetic", "synthetic": {"tokens_per_s": 20_000.0,
-                                                                           "min_completion_tokens": 1,
-                                                                           "max_completion_tokens": 4}},
-                         async_rl={"drop_zero_variance_groups": True, "sampler": {"name": sampler}})
+    config = filtering_config(tmp_path, partition, prompts, CONSTANT_FOR_SOME_PROMPTS, sampler)
     constant = {p.prompt_id for p in build_task(config.task) if constant_prompt(p.answer)}
     assert 0 < len(constant) < prompts // 2
     steps, per_step = 12, config.trainer.groups_per_step  # past four epochs of 64 prompts: epochs end
@@ -124,3 +133,25 @@ async def test_zero_variance_groups_are_filtered_once_per_epoch_and_every_step_t
     assert events[-1]["run_wasted_tokens"] <= rollouts.wasted_tokens
     print(f"{sampler}: {admitted} admitted over {dataloader.epoch} epochs, {counts['filtered']} filtered "
           f"({rollouts.filtered_tokens} tokens), {counts['consumed']} trained, {counts['dropped']} dropped stale")
+
+
+async def test_an_epoch_of_groups_all_filtered_is_logged_and_the_run_goes_on(
+        tmp_path: Path, partition: str, caplog: pytest.LogCaptureFixture) -> None:
+    """A reward that is constant for every prompt (all 0 at the start of a hard task) fills no step: the operator
+    is told once an epoch's worth of groups in a row were filtered, and again after each further epoch's worth."""
+    prompts = 16
+    config = filtering_config(tmp_path, partition, prompts, "def reward(prompt, completion, answer, row):\n"
+                                                            "    return 0.0\n", "windowed")
+    warning = f"the last {2 * prompts} complete groups, an epoch's worth of prompts, were all filtered"
+    caplog.set_level(logging.WARNING, logger="scd.rollouts")
+    async with Controller.open(config, config_dir=tmp_path) as controller:
+        async with anyio.create_task_group() as running:
+            running.start_soon(controller.run, Triggers(), 1)
+            with anyio.fail_after(120):
+                while warning not in caplog.text:
+                    await anyio.sleep(0.05)
+            running.cancel_scope.cancel()
+        state = controller.state
+        assert state.trainer_step == 0 and state.ledger.counts()["filtered"] >= 2 * prompts
+        await controller.dataplane.clear_all()
+    assert caplog.text.count("an epoch's worth of prompts, were all filtered") == 2
