@@ -65,6 +65,9 @@ async def test_reward_rises_and_the_books_balance(tmp_path: Path, partition: str
     assert config.trainer.entropy_coef == 0 and all(e["entropy"] > 0 for e in events)
     # The default reward is the character match, through the scoring stage, reported as a component.
     assert all(e["reward_components"]["match"] == pytest.approx(e["reward_mean"]) for e in events)
+    # The trainer's rate and importance ratios by staleness reach every step's event (a constant lr here).
+    assert all(e["lr"] == config.trainer.lr and any(key.endswith("/mean") for key in e["is_ratio"])
+               and e["behaviour_kl"].keys() == {key.split("/")[0] for key in e["is_ratio"]} for e in events)
 
 
 async def test_systemd_hears_ready_and_stopping_once_through_a_drain(
