@@ -11,6 +11,9 @@ At a Llama of about 95M parameters whose output head is its embedding (tied, as 
 * ``weight_export_ms_100m_world{1,2}``: a whole weight sync's read of every tensor of
   ``live_weights()`` into a host buffer, as a generation backend reads it: at world size 1 the
   trainer's own tensors, at 2 a decoder layer at a time gathered from the shards on rank 0.
+  ``weight_export_world2_vs_world1_ratio_100m``: the one ÷ the other (goal 5).  ``..._bf16``: the same
+  with ``model.dtype = "bfloat16"`` over fp32 masters, each rank casting its shards before the gather
+  (world size 1 casts its masters).
 * ``trainer_state_capture_ms_100m``: a checkpoint's state capture at world size 2, until every
   rank holds its part: the train pump does not wait for it (``..._submit_ms``: what it does wait
   for), but the next step starts on the ranks after it.  ``trainer_state_write_ms_100m``: the
@@ -46,12 +49,12 @@ from scd.training.grpo import GRPOTrainer
 
 REPO = Path(__file__).resolve().parents[1]
 GROUPS, ROWS, PAIRS, STEPS = 8, 8, 4, 6
-GOALS: dict[str, tuple[str, float]] = {}
+GOALS = {"weight_export_world2_vs_world1_ratio_100m": ("<=", 5.0)}
 
 
-def config(tmp: Path, model: Path, world_size: int) -> Config:
+def config(tmp: Path, model: Path, world_size: int, dtype: str = "float32") -> Config:
     return derive_config(REPO / "configs" / "tiny.toml", {"run": {"output_dir": str(tmp)}}, {
-        "model": {"name": str(model)}, "data_plane": {"ray": {"num_cpus": 5}},
+        "model": {"name": str(model), "dtype": dtype}, "data_plane": {"ray": {"num_cpus": 5}},
         "trainer": {"world_size": world_size, "groups_per_step": GROUPS}})
 
 
@@ -96,13 +99,28 @@ async def steps_ratio(tmp: Path, model: Path) -> dict[str, float]:
             "trainer_world2_steps_per_s": statistics.median(rates[2])}
 
 
+def exports(trainer: GRPOTrainer | TrainerGroup) -> float:
+    """Seconds of one whole weight sync's read (blocking)."""
+    return timed(lambda: read_all(trainer.live_weights()))
+
+
 def in_process(tmp: Path, model: Path, repeats: int) -> tuple[int, list[float], list[float]]:
     """World size 1: parameters, export and capture seconds (the trainer is freed on return)."""
     one_config = config(tmp, model, 1)
     one = GRPOTrainer(one_config, build_policy(one_config.model, 0))
-    return (sum(p.numel() for p in one.model.parameters()),
-            [timed(lambda: read_all(one.live_weights())) for _ in range(repeats)],
+    return (sum(p.numel() for p in one.model.parameters()), [exports(one) for _ in range(repeats)],
             [timed(one.capture_state) for _ in range(repeats)])
+
+
+def in_process_bf16(tmp: Path, model: Path, repeats: int) -> list[float]:
+    """World size 1, bf16 over fp32 masters: export seconds."""
+    one_config = config(tmp, model, 1, "bfloat16")
+    one = GRPOTrainer(one_config, build_policy(one_config.model, 0))
+    return [exports(one) for _ in range(repeats)]
+
+
+def ms(samples: list[float]) -> float:
+    return 1e3 * statistics.median(samples)
 
 
 async def at_100m(tmp: Path, model: Path, repeats: int = 3) -> dict[str, float]:
@@ -110,7 +128,7 @@ async def at_100m(tmp: Path, model: Path, repeats: int = 3) -> dict[str, float]:
     export_2, submit_2, capture_2, write_2 = [], [], [], []
     async with TrainerGroup.open(config(tmp, model, 2)) as two:
         for k in range(repeats):
-            export_2.append(await anyio.to_thread.run_sync(timed, lambda: read_all(two.live_weights())))
+            export_2.append(await anyio.to_thread.run_sync(exports, two))
             started = time.perf_counter()
             capture = two.capture_state()
             submit_2.append(time.perf_counter() - started)
@@ -118,19 +136,27 @@ async def at_100m(tmp: Path, model: Path, repeats: int = 3) -> dict[str, float]:
             capture_2.append(time.perf_counter() - started)
             await anyio.to_thread.run_sync(capture.write, tmp / f"model-{k}.pt", tmp / f"optimizer-{k}.pt")
             write_2.append(time.perf_counter() - started)
-    ms = lambda samples: 1e3 * statistics.median(samples)  # noqa: E731
     return {"model_parameters_100m": float(params),
             "weight_export_ms_100m_world1": ms(export_1), "weight_export_ms_100m_world2": ms(export_2),
+            "weight_export_world2_vs_world1_ratio_100m": ms(export_2) / ms(export_1),
             "trainer_state_capture_ms_100m": ms(capture_2), "trainer_state_capture_submit_ms_100m": ms(submit_2),
             "trainer_state_write_ms_100m": ms(write_2),
             "trainer_state_capture_ms_100m_world1": ms(capture_1)}
+
+
+async def exports_100m_bf16(tmp: Path, model: Path, repeats: int = 3) -> dict[str, float]:
+    export_1 = await anyio.to_thread.run_sync(in_process_bf16, tmp, model, repeats)
+    async with TrainerGroup.open(config(tmp, model, 2, "bfloat16")) as two:
+        export_2 = [await anyio.to_thread.run_sync(exports, two) for _ in range(repeats)]
+    return {"weight_export_ms_100m_world1_bf16": ms(export_1), "weight_export_ms_100m_world2_bf16": ms(export_2),
+            "weight_export_world2_vs_world1_ratio_100m_bf16": ms(export_2) / ms(export_1)}
 
 
 async def figures(tmp: Path) -> dict[str, float]:
     """Every figure above (Ray must be up with 4 free logical CPUs)."""
     small = init_tiny(tmp / "tiny-llama")
     large = write_tied_llama(tmp / "llama-100m", vocab_size=32_000, hidden_size=768, layers=12, heads=12)
-    return {**await steps_ratio(tmp, small), **await at_100m(tmp, large)}
+    return {**await steps_ratio(tmp, small), **await at_100m(tmp, large), **await exports_100m_bf16(tmp, large)}
 
 
 async def main() -> None:

@@ -101,6 +101,8 @@ async def test_two_ranks_train_exactly_as_one_and_their_state_moves_between_worl
             exported = two.live_weights()
             await anyio.to_thread.run_sync(assert_close, weights_of(one.model), exported)
             assert exported.fetches == len(layer_chunks(list(exported))) < len(exported)
+            # An fp32 model's sync gathers fp32, each parameter once.
+            assert exported.gathered_bytes == sum(p.numel() * 4 for p in one.model.parameters())
         assert two.statistics().last_export_s > 0
 
         # World size 2 -> 1: the group's bundle files load into a trainer in this process.

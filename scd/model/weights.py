@@ -43,22 +43,27 @@ def layer_chunks(names: Sequence[str]) -> list[list[str]]:
 
 class ChunkedWeights(Mapping[str, torch.Tensor]):
     """The group's whole weights, none aliasing another, fetched by ``fetch`` (blocking: call it from a
-    worker thread) one chunk at a time."""
+    worker thread) one chunk at a time.  ``fetch`` returns a chunk's tensors and the bytes its all-gathers
+    produced, counted in ``gathered_bytes``."""
 
-    def __init__(self, entries: Sequence[WeightEntry], fetch: Callable[[list[str]], dict[str, torch.Tensor]]) -> None:
+    def __init__(self, entries: Sequence[WeightEntry],
+                 fetch: Callable[[list[str]], tuple[dict[str, torch.Tensor], int]]) -> None:
         self.entries = tuple(entries)
         self._chunks = layer_chunks([e.name for e in self.entries])
         self._chunk_of = {name: i for i, chunk in enumerate(self._chunks) for name in chunk}
         self._fetch = fetch
         self._held: tuple[int, dict[str, torch.Tensor]] = (-1, {})
         self.fetches = 0
+        self.gathered_bytes = 0
 
     def __getitem__(self, name: str) -> torch.Tensor:
         chunk = self._chunk_of[name]
         if self._held[0] != chunk:
             self._held = (-1, {})  # drop the previous chunk before the next one arrives
-            self._held = (chunk, self._fetch(self._chunks[chunk]))
+            tensors, gathered_bytes = self._fetch(self._chunks[chunk])
+            self._held = (chunk, tensors)
             self.fetches += 1
+            self.gathered_bytes += gathered_bytes
         return self._held[1][name]
 
     def __iter__(self) -> Iterator[str]:

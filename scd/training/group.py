@@ -10,7 +10,8 @@ normalises its loss by the whole step's tokens, so the update equals world size 
 one caller's calls to an actor in order, so a capture or a gather submitted between two steps
 sees exactly the boundary's state, without the controller waiting for it.
 
-Weights leave the group from rank 0 a decoder layer at a time (``ChunkedWeights``); checkpoints
+Weights leave the group from rank 0 a decoder layer at a time (``ChunkedWeights``), each rank casting its
+shards to ``model.dtype`` before they are gathered (``sharding.gathered``); checkpoints
 are written by rank 0 itself.  Neither passes a whole model through scd's process.
 
 A rank that dies fails the call waiting on it at once (``ray.wait`` on every rank), naming the
@@ -161,8 +162,8 @@ def rank_actor() -> Any:
         def gather(self, names: list[str]) -> Any:
             from scd.training.sharding import gathered
 
-            tensors = gathered(self.trainer.model, names, self.trainer.model_dtype)
-            return tensors if self.rank == 0 else None
+            tensors, moved = gathered(self.trainer.model, names, self.trainer.model_dtype)
+            return (tensors, moved) if self.rank == 0 else None
 
         def capture(self) -> None:
             # A copy in host memory, of its own: training goes on while the writer thread saves it.
@@ -285,12 +286,12 @@ class TrainerGroup:
         self._export_s = 0.0
         return ChunkedWeights(self._entries, self._gather)
 
-    def _gather(self, names: list[str]) -> Any:
+    def _gather(self, names: list[str]) -> tuple[dict[str, Any], int]:
         started = time.monotonic()
-        tensors = self.wait_all([rank.gather.remote(names) for rank in self.ranks], "exporting weights")[0]
+        gathered = self.wait_all([rank.gather.remote(names) for rank in self.ranks], "exporting weights")[0]
         self._export_s += time.monotonic() - started
         metrics.trainer_weight_export_seconds.set(self._export_s)
-        return tensors
+        return gathered
 
     def statistics(self) -> TrainerStatistics:
         return TrainerStatistics(world_size=len(self.ranks), last_export_s=self._export_s)

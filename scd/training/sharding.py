@@ -215,9 +215,24 @@ def load_full_state(model: nn.Module, optimizer: torch.optim.Optimizer,
     }, options=options)
 
 
-def gathered(model: nn.Module, names: list[str], dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """The whole tensors of ``names`` (host memory), floating ones in ``dtype``; every rank must call it with
-    the same names."""
+def gathered(model: nn.Module, names: list[str], dtype: torch.dtype) -> tuple[dict[str, torch.Tensor], int]:
+    """The whole tensors of ``names`` (host memory), floating ones in ``dtype``, and the bytes their all-gathers
+    produced; every rank must call it with the same names.
+
+    Each rank casts its own shard to ``dtype`` where it lives, before the gather: the all-gather moves ``dtype``'s
+    bytes (half fp32's for bf16) and no process holds a whole fp32 copy.  A cast is elementwise, so a shard cast
+    rounds each weight exactly as casting the whole tensor does (world size 1's ``live_weights``).
+    """
+    from torch.distributed.tensor import DTensor
+
     own = model.state_dict()
-    whole = {name: _whole(own[name]) for name in names}
-    return {name: t.to("cpu", dtype if t.is_floating_point() else t.dtype) for name, t in whole.items()}
+    tensors: dict[str, torch.Tensor] = {}
+    moved = 0
+    for name in names:
+        tensor = own[name].detach()
+        cast = tensor.to(dtype) if tensor.is_floating_point() else tensor
+        whole = _whole(cast)
+        if isinstance(cast, DTensor):
+            moved += whole.numel() * whole.element_size()
+        tensors[name] = whole.to("cpu")
+    return tensors, moved
