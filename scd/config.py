@@ -466,6 +466,28 @@ class Config(_Section):
         return {f"generation.{key}": getattr(self.generation, key) for key in ("stop", "top_p", "top_k")
                 if getattr(self.generation, key) != getattr(defaults, key)}
 
+    def training_settings(self) -> dict[str, object]:
+        """The settings that change what a train step does with the groups it takes, by dotted key: each
+        bundle records them (``TrainingInfo.training_settings``) and ``scd checkpoint inspect`` shows them.
+
+        Not in the fingerprint: they change how the run trains from the bundle on, not what its rollouts or
+        sampler state mean, and a week-long run may change them at a restart (clip-higher, a decay added to
+        the schedule); a restore applies the config's values and reports each change (``training_changes``).
+        """
+        return {
+            **_flat_settings(msgspec.to_builtins(self.trainer.loss), "trainer.loss"),
+            "trainer.lr_schedule": self.trainer.lr_schedule,
+            "trainer.warmup_steps": self.trainer.warmup_steps,
+            "trainer.min_lr_ratio": self.trainer.min_lr_ratio,
+            "async_rl.drop_zero_variance_groups": self.async_rl.drop_zero_variance_groups,
+        }
+
+    def training_changes(self, saved: dict[str, Any]) -> dict[str, tuple[object, object]]:
+        """Each of ``training_settings`` whose value in ``saved`` (a bundle's) differs from this config's, as
+        (old, new) by key."""
+        old = saved_training_settings(saved)
+        return {key: (old[key], value) for key, value in self.training_settings().items() if old[key] != value}
+
     def fingerprint(self) -> str:
         blob = orjson.dumps(self.fingerprint_fields(), option=orjson.OPT_SORT_KEYS)
         return hashlib.sha256(blob).hexdigest()
@@ -479,6 +501,12 @@ class Config(_Section):
         new = _flat_settings(orjson.loads(orjson.dumps(self.fingerprint_fields())))
         return {key: (old.get(key, NOT_SET), new.get(key, NOT_SET)) for key in sorted(old.keys() | new.keys())
                 if old.get(key, NOT_SET) != new.get(key, NOT_SET)}
+
+
+def saved_training_settings(saved: dict[str, Any]) -> dict[str, object]:
+    """A bundle's ``training_settings``, whole: a key it lacks was written before the setting existed, and the
+    run trained with its default (today's behaviour)."""
+    return {**Config().training_settings(), **saved}
 
 
 # A fingerprinted setting one side does not set (at its default, or meaningless there, as

@@ -157,6 +157,9 @@ class TrainingInfo(_Document):
     # The evaluations finished before the cut and not reported then, each its ``eval`` event's fields: reported
     # once the bundle is committed, or at a restore from it if the event log lacks them.
     held_evals: list[dict[str, Any]] = msgspec.field(default_factory=list)
+    # ``Config.training_settings`` when saved (the loss, the lr schedule, dynamic sampling), by dotted key; a key
+    # a bundle lacks, written before the setting existed, trained with its default.
+    training_settings: dict[str, Any] = msgspec.field(default_factory=dict)
 
 
 class LedgerEntryRecord(msgspec.Struct, array_like=True, forbid_unknown_fields=True):

@@ -5,16 +5,19 @@ Real `scd` subprocesses and the bundles they write; the unit test of the setting
 
 from __future__ import annotations
 
+import subprocess
 import time
 from pathlib import Path
 from typing import Any
 
 import orjson
+import pytest
 
 from scd.checkpoint import layout
-from scd.config import NOT_SET, parse_config
+from scd.config import NOT_SET, Config, parse_config
 from scd.schema import Sidecar, decode
-from tests.conftest import ScdProcess, free_port, write_config
+from scd.training.schedule import lr_factor
+from tests.conftest import REPO, SCD, ScdProcess, free_port, write_config
 from tests.support.reward_server import RewardService
 
 
@@ -39,6 +42,77 @@ def test_fingerprint_changes_name_each_nested_key_with_its_old_and_new_value(tmp
         "task.seed": (0, 3),
     }
     assert before.fingerprint_changes(saved) == {}
+
+
+def test_training_changes_name_each_changed_setting_and_a_bundle_from_before_them_reads_as_the_defaults(
+        tmp_path: Path) -> None:
+    before = parse_config({}, tmp_path)
+    after = parse_config({"trainer": {"lr_schedule": "cosine", "loss": {"clip_high": 0.28}},
+                          "async_rl": {"drop_zero_variance_groups": True}}, tmp_path)
+    saved = orjson.loads(orjson.dumps(before.training_settings()))  # as a bundle's training_info holds them
+
+    changes = {"trainer.loss.clip_high": (0.2, 0.28), "trainer.lr_schedule": ("constant", "cosine"),
+               "async_rl.drop_zero_variance_groups": (False, True)}
+    assert after.training_changes(saved) == changes
+    assert after.training_changes({}) == changes  # a bundle written before they were recorded: the defaults
+    assert before.training_changes(saved) == before.training_changes({}) == {}
+    # Not fingerprinted: a restore under them is never refused, however --allow-config-change is set.
+    assert after.fingerprint() == before.fingerprint() and after.fingerprint_changes(before.fingerprint_fields()) == {}
+    # The whole loss table, a key added to it later included.
+    loss_keys = {f"trainer.loss.{key}" for key in Config().trainer.loss.__struct_fields__}
+    assert loss_keys <= set(Config().training_settings())
+
+
+def inspected(bundle: Path) -> dict[str, Any]:
+    done = subprocess.run([*SCD, "checkpoint", "inspect", "--json", str(bundle)], cwd=REPO, capture_output=True,
+                          timeout=120, check=True)
+    summary: dict[str, Any] = orjson.loads(done.stdout)
+    return summary
+
+
+def without_training_settings(bundle: Path) -> None:
+    """The bundle as one written before its training settings were recorded (its commit marker made again)."""
+    info = orjson.loads((bundle / layout.TRAINING_INFO_FILE).read_bytes())
+    del info["training_settings"]
+    (bundle / layout.TRAINING_INFO_FILE).write_bytes(orjson.dumps(info, option=orjson.OPT_INDENT_2))
+    (bundle / layout.COMMIT_MARKER).write_text(layout.sha256_file(bundle / layout.TRAINING_INFO_FILE))
+
+
+def test_a_changed_loss_and_lr_schedule_are_applied_across_a_restore_and_reported_old_to_new(
+        tmp_path: Path, scd_processes: list[ScdProcess], session_ray: str) -> None:
+    """From a bundle of the format before training settings were recorded: it restores with the defaults, which
+    the restore event then reports as the old values."""
+    config = write_config(tmp_path, ray_address=session_ray)
+    first = ScdProcess(config, "--max-steps", "2")
+    scd_processes.append(first)
+    assert first.wait(timeout=300) == 0, first.output()[-3000:]
+    [bundle] = layout.finalized_bundles(tmp_path / "out" / "checkpoints")
+    assert inspected(bundle)["training_settings"] == Config().training_settings()
+    without_training_settings(bundle)
+    assert inspected(bundle)["training_settings"] == Config().training_settings()
+
+    second = ScdProcess(config, "--max-steps", "4", "--set", "trainer.loss.clip_high=0.28",
+                        "--set", "trainer.lr_schedule=linear")
+    scd_processes.append(second)
+    assert second.wait(timeout=300) == 0, second.output()[-3000:]
+    events = events_in(tmp_path)
+    [restore] = [e for e in events if e["event"] == "restore"]
+    assert restore["training_changes"] == {"trainer.loss.clip_high": [0.2, 0.28],
+                                           "trainer.lr_schedule": ["constant", "linear"]}
+    assert restore["optimizer_changes"] == {} and restore["reward_changes"] == {}
+    said = second.output()
+    assert said.count("restore: trainer.loss.clip_high is 0.28 in the config, 0.2 in") == 1, said[-3000:]
+    assert said.count("restore: trainer.lr_schedule is linear in the config, constant in") == 1
+    # Steps 3 and 4 train at the linear schedule's rate where the bundle left it (2 steps taken of run.max_steps).
+    lrs = {e["step"]: e["lr"] for e in events if e["event"] == "train_step"}
+    assert lrs[1] == lrs[2] == 1e-3
+    assert lrs[3] == pytest.approx(1e-3 * lr_factor(2, total_steps=20, schedule="linear"))
+    assert lrs[4] == pytest.approx(1e-3 * lr_factor(3, total_steps=20, schedule="linear"))
+    assert lrs[3] < 1e-3
+    # The bundles written since record the new settings: restoring one reports no change.
+    settings = inspected(layout.finalized_bundles(tmp_path / "out" / "checkpoints")[-1])["training_settings"]
+    assert settings == {**Config().training_settings(), "trainer.loss.clip_high": 0.28,
+                        "trainer.lr_schedule": "linear"}
 
 
 def test_a_changed_config_is_refused_before_ray_starts_naming_every_changed_key(

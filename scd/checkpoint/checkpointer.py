@@ -81,7 +81,7 @@ class Checkpointer:
             partition=config.data_plane.partition, storage_units=config.data_plane.storage_units,
             capacity=config.admission_capacity_groups(),
             group_size=config.generation.group_size, fingerprint=config.fingerprint(),
-            fingerprint_fields=config.fingerprint_fields(),
+            fingerprint_fields=config.fingerprint_fields(), training_settings=config.training_settings(),
         )
         self._counts = {outcome: 0 for outcome in Outcome}
         self._last_success_wall: float | None = None

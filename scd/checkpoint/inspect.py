@@ -6,6 +6,7 @@ from pathlib import Path
 
 from scd.checkpoint import layout
 from scd.checkpoint.verify import storage_units_of, verify_bundle
+from scd.config import saved_training_settings
 from scd.replay import mean_reward_components
 
 
@@ -32,6 +33,7 @@ def inspect_bundle(path: Path) -> dict[str, object]:
         "sidecar_bytes": info.sidecar_bytes,
         "data_plane_bytes": info.data_plane_bytes, "digest": info.replay_digest, "capacity": info.capacity,
         "time": info.time, "config_fingerprint": info.config_fingerprint,
+        "training_settings": saved_training_settings(info.training_settings),
         "run_id": info.run.run_id if info.run is not None else None, "prompt_fates": verified.sidecar.prompt_fates,
         "trigger": info.trigger, "crash_restores": info.run.crash_restores if info.run is not None else 0,
         "evaluated_steps": info.evaluated_steps,

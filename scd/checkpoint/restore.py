@@ -23,7 +23,7 @@ import logging
 import os
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
@@ -105,6 +105,8 @@ class RestoreReport:
     scores_owed: int = 0  # finished siblings kept without one: scored by this run, not generated again
     # Optimizer settings the config changed from the bundle's, [old, new] by key: the config's apply.
     optimizer_changes: dict[str, list[float]] = field(default_factory=dict)
+    # Likewise the loss, the lr schedule and dynamic sampling (``Config.training_settings``).
+    training_changes: dict[str, list[object]] = field(default_factory=dict)
     # The reward set's settings the config changed from the bundle's, [old, new] by key: the config's apply,
     # and the ready groups restored are scored again under them (the cut's sibling scores are owed again).
     reward_changes: dict[str, list[object]] = field(default_factory=dict)
@@ -280,6 +282,13 @@ def load_trainer_state_verified(trainer: Trainer, bundle: Path, info: TrainingIn
                 require_digest(bundle, name, digest.result(), info.files[name])
 
 
+def log_changes(changes: Mapping[str, Sequence[object]], bundle: Path) -> None:
+    """A warning for each setting the config changed from the bundle's, (old, new) by key."""
+    for key, (old, new) in changes.items():
+        log.warning("restore: %s is %s in the config, %s in %s: the config's applies from now on", key, new, old,
+                    bundle)
+
+
 def clean_exit(info: TrainingInfo) -> bool:
     """The bundle is the last a run wrote as it exited cleanly (done, or drained)."""
     return info.trigger in (Trigger.FINAL.value, Trigger.SHUTDOWN.value)
@@ -310,6 +319,9 @@ async def restore_state(config: Config, parts: RestoreParts, restore_from: Path 
     clock.lap(RestorePhase.RESOLVE)
     verified = await verify_or_point_elsewhere(bundle, explicit, lambda: read_metadata(bundle, info))
     reward_changes = check_against_config(config, state, verified, allow_config_change)
+    # Nothing to apply: the trainer, the schedule and admission read them from the config.
+    training_changes = config.training_changes(info.training_settings)
+    log_changes(training_changes, bundle)
     sidecar = verified.sidecar
     shadow = not state.sampler.supports_replay_checkpoint
     buckets = state.fates.buckets
@@ -332,9 +344,7 @@ async def restore_state(config: Config, parts: RestoreParts, restore_from: Path 
 
     optimizer_changes = await verify_or_point_elsewhere(
         bundle, explicit, lambda: load_trainer_state_verified(parts.trainer, bundle, info))
-    for key, (old, new) in optimizer_changes.items():
-        log.warning("restore: %s is %s in the config, %s in %s: the config's applies from now on", key, new, old,
-                    bundle)
+    log_changes(optimizer_changes, bundle)
     clock.lap(RestorePhase.POLICY_LOAD)
 
     if shadow:
@@ -401,6 +411,7 @@ async def restore_state(config: Config, parts: RestoreParts, restore_from: Path 
         prefix_tokens_dropped=siblings.prefix_tokens_dropped, siblings_resumed=siblings.siblings_resumed,
         scores_reused=siblings.scores_reused, scores_owed=siblings.scores_owed,
         optimizer_changes=optimizer_changes, phases=clock.stop(),
+        training_changes={key: list(change) for key, change in training_changes.items()},
         reward_changes={key: list(change) for key, change in reward_changes.items()}, groups_rescored=rescored,
     )
     await record_restore(report, parts.events)
@@ -467,8 +478,8 @@ async def record_restore(report: RestoreReport, events: EventLog) -> None:
         siblings_rerun=report.siblings_rerun, stale_tokens=report.stale_tokens,
         prefix_tokens_reused=report.prefix_tokens_reused, prefix_tokens_dropped=report.prefix_tokens_dropped,
         siblings_resumed=report.siblings_resumed, scores_reused=report.scores_reused, scores_owed=report.scores_owed,
-        optimizer_changes=report.optimizer_changes, reward_changes=report.reward_changes,
-        groups_rescored=report.groups_rescored,
+        optimizer_changes=report.optimizer_changes, training_changes=report.training_changes,
+        reward_changes=report.reward_changes, groups_rescored=report.groups_rescored,
     ))
 
 

@@ -69,6 +69,7 @@ class BundleContext:
     group_size: int
     fingerprint: str
     fingerprint_fields: dict[str, Any]
+    training_settings: dict[str, Any]
 
 
 @dataclass(slots=True)
@@ -200,7 +201,7 @@ def write_bundle(pending: PendingBundle, keep_last: int, context: BundleContext)
         config_fingerprint=context.fingerprint, config_fingerprint_fields=context.fingerprint_fields,
         files=files, sidecar_bytes=len(sidecar), data_plane_bytes=data_plane_bytes,
         storage_units=context.storage_units, run=cut.run, trigger=pending.trigger.value,
-        evaluated_steps=cut.evaluated_steps, held_evals=cut.held_evals,
+        evaluated_steps=cut.evaluated_steps, held_evals=cut.held_evals, training_settings=context.training_settings,
     ), indent=True))
     layout.fsync_tree(tmp)
     lap(CheckpointPhase.FSYNC)

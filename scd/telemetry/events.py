@@ -53,6 +53,8 @@ class Restore(Event, tag="restore", kw_only=True):
     scores_owed: int = 0  # finished siblings restored without one: scored, not generated again
     # Optimizer settings the config changed from the bundle's, [old, new] by key: the config's apply.
     optimizer_changes: dict[str, list[float]] = msgspec.field(default_factory=dict)
+    # Likewise the loss, the lr schedule and dynamic sampling (scd.config.Config.training_settings).
+    training_changes: dict[str, list[Any]] = msgspec.field(default_factory=dict)
     # The reward set's settings the config changed from the bundle's, [old, new] by key: the config's apply;
     # the ready groups restored (groups_rescored) were scored again under them.
     reward_changes: dict[str, list[Any]] = msgspec.field(default_factory=dict)
