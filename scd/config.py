@@ -474,19 +474,24 @@ class Config(_Section):
         sampler state mean, and a week-long run may change them at a restart (clip-higher, a decay added to
         the schedule); a restore applies the config's values and reports each change (``training_changes``).
         """
+        # A decaying schedule is planned over run.max_steps: raising it mid-run raises the rate.
+        horizon = {"run.max_steps": self.run.max_steps} if self.trainer.lr_schedule != "constant" else {}
         return {
             **_flat_settings(msgspec.to_builtins(self.trainer.loss), "trainer.loss"),
             "trainer.lr_schedule": self.trainer.lr_schedule,
             "trainer.warmup_steps": self.trainer.warmup_steps,
             "trainer.min_lr_ratio": self.trainer.min_lr_ratio,
+            **horizon,
             "async_rl.drop_zero_variance_groups": self.async_rl.drop_zero_variance_groups,
         }
 
     def training_changes(self, saved: dict[str, Any]) -> dict[str, tuple[object, object]]:
         """Each of ``training_settings`` whose value in ``saved`` (a bundle's) differs from this config's, as
-        (old, new) by key."""
-        old = saved_training_settings(saved)
-        return {key: (old[key], value) for key, value in self.training_settings().items() if old[key] != value}
+        (old, new) by key; a side that does not set it (``run.max_steps`` under a constant schedule) reads
+        ``NOT_SET``."""
+        old, new = saved_training_settings(saved), self.training_settings()
+        return {key: (old.get(key, NOT_SET), new.get(key, NOT_SET)) for key in old.keys() | new.keys()
+                if old.get(key, NOT_SET) != new.get(key, NOT_SET)}
 
     def fingerprint(self) -> str:
         blob = orjson.dumps(self.fingerprint_fields(), option=orjson.OPT_SORT_KEYS)

@@ -51,11 +51,16 @@ def test_training_changes_name_each_changed_setting_and_a_bundle_from_before_the
                           "async_rl": {"drop_zero_variance_groups": True}}, tmp_path)
     saved = orjson.loads(orjson.dumps(before.training_settings()))  # as a bundle's training_info holds them
 
+    # A decaying schedule's horizon counts too: a constant one has none.
     changes = {"trainer.loss.clip_high": (0.2, 0.28), "trainer.lr_schedule": ("constant", "cosine"),
-               "async_rl.drop_zero_variance_groups": (False, True)}
+               "run.max_steps": (NOT_SET, 300), "async_rl.drop_zero_variance_groups": (False, True)}
     assert after.training_changes(saved) == changes
     assert after.training_changes({}) == changes  # a bundle written before they were recorded: the defaults
     assert before.training_changes(saved) == before.training_changes({}) == {}
+    longer = parse_config({"run": {"max_steps": 2000}, "trainer": {"lr_schedule": "cosine"}}, tmp_path)
+    assert longer.training_changes(orjson.loads(orjson.dumps(after.training_settings()))) == {
+        "trainer.loss.clip_high": (0.28, 0.2), "run.max_steps": (300, 2000),
+        "async_rl.drop_zero_variance_groups": (True, False)}
     # Not fingerprinted: a restore under them is never refused, however --allow-config-change is set.
     assert after.fingerprint() == before.fingerprint() and after.fingerprint_changes(before.fingerprint_fields()) == {}
     # The whole loss table, a key added to it later included.
@@ -98,7 +103,8 @@ def test_a_changed_loss_and_lr_schedule_are_applied_across_a_restore_and_reporte
     events = events_in(tmp_path)
     [restore] = [e for e in events if e["event"] == "restore"]
     assert restore["training_changes"] == {"trainer.loss.clip_high": [0.2, 0.28],
-                                           "trainer.lr_schedule": ["constant", "linear"]}
+                                           "trainer.lr_schedule": ["constant", "linear"],
+                                           "run.max_steps": [NOT_SET, 20]}
     assert restore["optimizer_changes"] == {} and restore["reward_changes"] == {}
     said = second.output()
     assert said.count("restore: trainer.loss.clip_high is 0.28 in the config, 0.2 in") == 1, said[-3000:]
@@ -112,7 +118,7 @@ def test_a_changed_loss_and_lr_schedule_are_applied_across_a_restore_and_reporte
     # The bundles written since record the new settings: restoring one reports no change.
     settings = inspected(layout.finalized_bundles(tmp_path / "out" / "checkpoints")[-1])["training_settings"]
     assert settings == {**Config().training_settings(), "trainer.loss.clip_high": 0.28,
-                        "trainer.lr_schedule": "linear"}
+                        "trainer.lr_schedule": "linear", "run.max_steps": 20}
 
 
 def test_a_changed_config_is_refused_before_ray_starts_naming_every_changed_key(
