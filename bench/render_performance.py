@@ -279,9 +279,15 @@ THROUGHPUT = Section(
             lambda s: f"{ratio(s['trainer_world2_vs_world1_steps_ratio'])}, spread "
             f"{num(s['trainer_world2_vs_world1_steps_ratio_spread'])} ({num(s['trainer_world2_steps_per_s'])} vs "
             f"{num(s['trainer_world1_steps_per_s'])} steps/s)"),
-        Row("`weight_export_ms_100m_world1`, `_world2`", "a 113M-parameter Llama: every tensor of a sync read "
-            "into a host buffer; world size 2 gathers each decoder layer on rank 0",
-            lambda s: f"{num(s['weight_export_ms_100m_world1'])} vs {num(s['weight_export_ms_100m_world2'])} ms"),
+        Row("`weight_export_world2_vs_world1_ratio_100m`, `weight_export_ms_100m_world1`, `_world2`, `..._bf16`",
+            "a 95M-parameter tied Llama: every tensor of a sync read into a host buffer; world size 2 gathers each "
+            "decoder layer on rank 0, each rank casting its shards to `model.dtype` first; `_bf16`: "
+            "`model.dtype = bfloat16` over fp32 masters",
+            lambda s: f"{ratio(s['weight_export_world2_vs_world1_ratio_100m'])} "
+            f"({num(s['weight_export_ms_100m_world2'])} vs {num(s['weight_export_ms_100m_world1'])} ms); bf16 "
+            f"{ratio(s['weight_export_world2_vs_world1_ratio_100m_bf16'])} "
+            f"({num(s['weight_export_ms_100m_world2_bf16'])} vs {num(s['weight_export_ms_100m_world1_bf16'])} ms)",
+            "weight_export_world2_vs_world1_ratio_100m"),
         Row("`trainer_state_capture_ms_100m`, `trainer_state_write_ms_100m`, `_world1`", "world size 2: until "
             "every rank holds its part of the whole state (the train pump waits only "
             "`trainer_state_capture_submit_ms_100m`); capture plus rank 0 writing weights and AdamW state; the "

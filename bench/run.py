@@ -51,7 +51,7 @@ GOALS = {
     **{f"crash_{s}_tokens_reused_vs_generated_at_cut": (">=", 0.99) for s in ("windowed", "weight_fifo", "in_order")},
     **goodput.GOALS, **engines.GOALS,
     "trackers_overhead_ratio": (">=", 0.98), "trackers_loop_stall_p99_ms": ("<=", 50.0),
-    **rewards.GOALS, **trainer_memory.GOALS, **evaluation.GOALS, **trainer_state.GOALS,
+    **rewards.GOALS, **trainer_memory.GOALS, **evaluation.GOALS, **trainer_state.GOALS, **trainer_group.GOALS,
 }
 
 
