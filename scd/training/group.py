@@ -24,12 +24,13 @@ import functools
 import logging
 import os
 import time
+import warnings
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 
@@ -43,6 +44,10 @@ from scd.telemetry import metrics
 from scd.training.base import StepResult, Trainer, TrainerStatistics
 from scd.training.grpo import GRPOTrainer, SkippedSteps, combine, publish, step_size
 from scd.training.loss import StepSize
+
+if TYPE_CHECKING:
+    import numpy as np
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +67,16 @@ class RankPlace:
 
     def __str__(self) -> str:
         return f"trainer rank {self.rank} (node {self.node_ip}, pid {self.pid})"
+
+
+def over_object_store(data: np.ndarray, entry: WeightEntry) -> torch.Tensor:
+    """The tensor ``entry`` names over its bytes where Ray's object store holds them (kept there while the tensor
+    lives).  Read-only, as a weight sync's tensors are read: a backend that keeps one copies it."""
+    import torch
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        return torch.from_numpy(data).view(getattr(torch, entry.dtype)).view(entry.shape)
 
 
 def shard_groups(groups: Sequence[Sequence[Rollout]], world_size: int) -> list[list[Sequence[Rollout]]]:
@@ -160,10 +175,16 @@ def rank_actor() -> Any:
             return self.trainer.train_share(groups, weight_version, size)
 
         def gather(self, names: list[str]) -> Any:
+            import torch
+
             from scd.training.sharding import gathered
 
             tensors, moved = gathered(self.trainer.model, names, self.trainer.model_dtype)
-            return (tensors, moved) if self.rank == 0 else None
+            if self.rank != 0:
+                return None
+            # As numpy bytes: Ray's object store takes an array without pickling it and the caller reads it in
+            # place, where a torch tensor is copied on each side.
+            return {name: tensor.reshape(-1).view(torch.uint8).numpy() for name, tensor in tensors.items()}, moved
 
         def capture(self) -> None:
             # A copy in host memory, of its own: training goes on while the writer thread saves it.
@@ -229,6 +250,7 @@ class TrainerGroup:
         self.ranks = ranks
         self.places = places
         self._entries = entries
+        self._entry_of = {entry.name: entry for entry in entries}
         self._export_s = 0.0
         self._skipped_steps = SkippedSteps(config.trainer.max_skipped_steps)
         metrics.trainer_world_size.set(len(ranks))
@@ -288,10 +310,11 @@ class TrainerGroup:
 
     def _gather(self, names: list[str]) -> tuple[dict[str, Any], int]:
         started = time.monotonic()
-        gathered = self.wait_all([rank.gather.remote(names) for rank in self.ranks], "exporting weights")[0]
+        as_bytes, moved = self.wait_all([rank.gather.remote(names) for rank in self.ranks], "exporting weights")[0]
+        tensors = {name: over_object_store(as_bytes[name], self._entry_of[name]) for name in names}
         self._export_s += time.monotonic() - started
         metrics.trainer_weight_export_seconds.set(self._export_s)
-        return gathered
+        return tensors, moved
 
     def statistics(self) -> TrainerStatistics:
         return TrainerStatistics(world_size=len(self.ranks), last_export_s=self._export_s)
