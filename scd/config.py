@@ -170,6 +170,9 @@ class LossConfig(_Section):
     is_cap: float = 2.0
     is_low: float = 0.5
     is_high: float = 2.0
+    # Completions that ended by length (generation.max_new_tokens) carry no loss: DAPO's overlong masking, TRL's
+    # mask_truncated_completions.  Their rewards still count in their group's advantages.
+    mask_truncated: bool = False
 
     def check(self) -> None:
         """Raise ``ConfigError`` naming the first key whose value makes no loss."""

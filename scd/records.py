@@ -37,6 +37,11 @@ class Completion:
     finish_reason: FinishReason
     weight_version: int  # the weights generation started under
 
+    @property
+    def truncated(self) -> bool:
+        """It reached generation.max_new_tokens with no EOS or stop string."""
+        return self.finish_reason is FinishReason.LENGTH
+
 
 @dataclass(frozen=True, slots=True)
 class Prefix:
@@ -80,3 +85,6 @@ class Rollout:
     weight_version: int
     # Every token was sampled under this one version (no weight sync landed mid-completion).
     single_version: bool = True
+    # It ended by length (FinishReason.LENGTH, generation.max_new_tokens), not at EOS or a stop string:
+    # trainer.loss.mask_truncated gives it no loss.
+    truncated: bool = False

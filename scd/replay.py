@@ -34,6 +34,9 @@ class GroupMeta(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     committed_at: float = 0.0
     # Each reward's (and reward part's) mean over the siblings that have it; none in bundles before schema 6.
     reward_components: dict[str, float] = {}
+    # Per sibling, whether it ended by length (``Rollout.truncated``); none in bundles written before it was
+    # recorded, whose rows read as not truncated.
+    truncated: tuple[bool, ...] = ()
 
     @property
     def tokens(self) -> int:
@@ -60,9 +63,11 @@ def rollouts_of(group: GroupMeta, input_ids: list[torch.Tensor], logprobs: list[
         raise InvariantViolation(f"rows read for group {group.group_id} have lengths {list(got)}, "
                                  f"the replay index says {list(group.seq_lens)}")
     single_version = group.start_weight_version == group.end_weight_version
+    truncated = group.truncated or (False,) * len(group.seq_lens)
     return [
-        Rollout(ids, lp, group.prompt_len, reward, version, single_version)
-        for ids, lp, reward, version in zip(input_ids, logprobs, group.rewards, group.weight_versions, strict=True)
+        Rollout(ids, lp, group.prompt_len, reward, version, single_version, cut)
+        for ids, lp, reward, version, cut in zip(input_ids, logprobs, group.rewards, group.weight_versions,
+                                                  truncated, strict=True)
     ]
 
 
@@ -72,7 +77,12 @@ def sample_ids_for(group_id: str, group_size: int) -> tuple[str, ...]:
 
 
 def group_hash(group: GroupMeta) -> bytes:
-    return hashlib.sha256(msgspec.json.encode(group, order="sorted")).digest()
+    """SHA-256 of the group's canonical JSON.  A group that records no truncated flags (read from a bundle
+    written before they were) hashes without the key, as it was hashed when that bundle was saved."""
+    document = msgspec.to_builtins(group)
+    if not group.truncated:
+        del document["truncated"]
+    return hashlib.sha256(msgspec.json.encode(document, order="sorted")).digest()
 
 
 class ReplayIndex:

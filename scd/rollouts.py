@@ -616,7 +616,8 @@ class Rollouts:
         logprob_rows = logprobs.split([len(c.logprobs) for c in completions])
         return [
             Rollout(input_ids=row_ids, logprobs=row_logprobs, prompt_len=len(req.prompt_ids),
-                    reward=scores[index].total, weight_version=c.weight_version)
+                    reward=scores[index].total, weight_version=c.weight_version,
+                    truncated=c.truncated)
             for index, (c, row_ids, row_logprobs) in enumerate(zip(completions, id_rows, logprob_rows, strict=True))
         ]
 
@@ -641,6 +642,7 @@ class Rollouts:
             end_weight_version=result.end_weight_version,
             prompt_len=len(req.prompt_ids), seq_lens=tuple(r.input_ids.shape[0] for r in rollouts),
             rewards=tuple(r.reward for r in rollouts), weight_versions=tuple(r.weight_version for r in rollouts),
+            truncated=tuple(r.truncated for r in rollouts),
             target_step=req.target_step, admitted_at=req.admitted_at, committed_at=time.time(),
             reward_components=_mean_components(scores[index] for index in range(self._group_size)),
         )

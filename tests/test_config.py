@@ -44,7 +44,6 @@ BAD_CONFIGS = [
     ("[trainer.loss]\naggregation = 'mean'\n", "trainer.loss.aggregation"),
     # Built as functions, not configurable yet: refused as any unknown key.
     ("[trainer.loss]\nkl_coef = 0.1\n", "trainer.loss.kl_coef"),
-    ("[trainer.loss]\nmask_truncated = true\n", "trainer.loss.mask_truncated"),
     ("[trainer]\nlr_schedule = 'step'\n", "trainer.lr_schedule"),
     ("[trainer]\nwarmup_steps = -1\n", "trainer.warmup_steps"),
     ("[trainer]\nmin_lr_ratio = 1.5\n", "trainer.min_lr_ratio"),

@@ -100,10 +100,13 @@ async def test_torch_completions_end_at_eos_a_stop_string_or_max_new_tokens(tmp_
         # Every token sampled is kept: the one that ended it too, and none after.
         if c.finish_reason is FinishReason.STOP:
             assert text.endswith(("7", "ab")) and not any(s in policy.decode(c.token_ids[:-1]) for s in ("7", "ab"))
+            assert not c.truncated
         elif c.finish_reason is FinishReason.EOS:
             assert c.token_ids[-1] == policy.eos_id and policy.eos_id not in c.token_ids[:-1]
+            assert not c.truncated
         else:
             assert len(c.token_ids) == 40 and "7" not in text and "ab" not in text
+            assert c.truncated  # trainer.loss.mask_truncated gives it no loss
     # Longer than the 4-digit answer: a policy may write before it answers.
     assert max(len(c.token_ids) for c in completions) > 4
 

@@ -101,10 +101,12 @@ async def test_vllm_completions_end_at_eos_a_stop_string_or_max_new_tokens(
         if c.finish_reason is FinishReason.STOP:
             # vLLM drops the stop string from its text, not the tokens that made it: scd trains on those.
             assert text.endswith(tuple(STOP)) and not any(s in policy.decode(c.token_ids[:-1]) for s in STOP)
+            assert not c.truncated
         elif c.finish_reason is FinishReason.EOS:
-            assert c.token_ids[-1] == policy.eos_id
+            assert c.token_ids[-1] == policy.eos_id and not c.truncated
         else:
             assert c.finish_reason is FinishReason.LENGTH and len(c.token_ids) == MAX_NEW_TOKENS
+            assert c.truncated
             assert not any(s in text for s in STOP)
     assert max(len(c.token_ids) for c in completions) > 4  # longer than any answer here
 

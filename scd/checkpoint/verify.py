@@ -75,6 +75,8 @@ def check_group(group: GroupMeta, group_size: int) -> str:
         return (f"group {group.group_id} has {len(group.sample_ids)} sample_ids, {len(group.seq_lens)} seq_lens, "
                 f"{len(group.rewards)} rewards and {len(group.weight_versions)} weight_versions; "
                 f"the group size is {group_size}")
+    if group.truncated and len(group.truncated) != group_size:
+        return f"group {group.group_id} has {len(group.truncated)} truncated flags; the group size is {group_size}"
     if group.group_id != group_id_for(group.epoch, group.prompt_id):
         return f"group {group.group_id} is not prompt {group.prompt_id} of epoch {group.epoch}"
     if group.sample_ids != sample_ids_for(group.group_id, group_size):

@@ -184,10 +184,10 @@ def _param_groups(optimizer_state: dict[str, Any]) -> list[dict[str, Any]]:
 
 def step_size(config: Config, groups: Sequence[Sequence[Rollout]]) -> StepSize:
     """What the whole step's loss is divided by, counted over all its groups before any rank trains: each rank
-    divides its own sum by it, so a sharded step trains world size 1's loss.  No row counts as truncated:
-    mask_truncated is no config key yet."""
+    divides its own sum by it, so a sharded step trains world size 1's loss."""
     rows = [r for g in groups for r in g]
-    return StepSize.of([len(r.logprobs) for r in rows], [False] * len(rows), LossSettings.of(config.trainer.loss),
+    return StepSize.of([len(r.logprobs) for r in rows], [r.truncated for r in rows],
+                       LossSettings.of(config.trainer.loss),
                        config.generation.max_new_tokens)
 
 
@@ -421,6 +421,7 @@ class GRPOTrainer:
         proximal = None if settings.off_policy_correction == "none" else current.detach()
         # Measured on every step (a logged 0 would read as a collapsed policy); in the loss only with a bonus.
         out = policy_loss(current, behaviour, advantages, mask, size, settings, proximal=proximal,
+                          truncated=torch.tensor([r.truncated for r in rows], device=self.device),
                           entropy=token_entropy, entropy_coef=self.cfg.entropy_coef)
         # FSDP averages gradients over the ranks: scaled by the world size, each rank's share of the whole
         # step's loss adds up to the world-size-1 loss.

@@ -52,15 +52,11 @@ LOG_RATIO_BOUND = 20.0
 
 class LossSettings(LossConfig):
     """What ``policy_loss`` computes: ``[trainer.loss]`` and the options built here that no config key sets
-    yet (a reference KL needs a frozen reference model, mask_truncated a truncated flag from every generation
-    backend); ``of`` gives the configured loss."""
+    yet (a reference KL needs a frozen reference model); ``of`` gives the configured loss."""
 
     # > 0 adds kl_coef times the KL to a frozen reference policy to the loss.
     kl_coef: float = 0.0
     kl_estimator: KLEstimator = "k3"
-    # Completions that ended by length carry no loss (DAPO's overlong masking); their rewards still count in
-    # their group's advantages.
-    mask_truncated: bool = False
 
     @classmethod
     def of(cls, config: LossConfig) -> LossSettings:
