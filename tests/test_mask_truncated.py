@@ -10,6 +10,7 @@ import hashlib
 from pathlib import Path
 from typing import Any
 
+import anyio
 import msgspec
 import pytest
 import torch
@@ -17,11 +18,14 @@ import torch
 from scd.checkpoint.verify import check_group
 from scd.config import parse_config
 from scd.daemon import Controller
+from scd.model.policy import build_policy
 from scd.records import Rollout
 from scd.replay import GroupMeta, group_hash, rollouts_of
-from scd.training.grpo import padded_rows, step_size
+from scd.training.group import TrainerGroup
+from scd.training.grpo import GRPOTrainer, padded_rows, step_size
 from scd.training.loss import StepSize
 from tests.conftest import tiny_config
+from tests.test_trainer_group import GROUPS, assert_close, batch, weights_of
 from tests.test_trainer_loss import MAX_NEW_TOKENS, config_for, fixed_batch, trainer_for
 
 
@@ -137,3 +141,23 @@ async def test_a_run_trains_the_backends_flags_through_tq_and_masks_those_rows(t
     assert {r.truncated for r in rows} == {True, False}
     for groups, tokens in trained:
         assert tokens == sum(len(r.logprobs) for g in groups for r in g if not r.truncated)
+
+
+async def test_each_rank_masks_the_truncated_rows_of_its_shard_as_world_size_1_does(
+        tmp_path: Path, tq_session: None, tiny_llama: Path) -> None:
+    """Two FSDP2 ranks on the session's Ray: the flags reach each rank with its groups, and the step's normaliser
+    counts only the kept rows of every rank, so the step trains world size 1's masked loss."""
+    trainer = {"groups_per_step": GROUPS, "lr": 1e-3, "loss": {"mask_truncated": True}}
+    one_config = tiny_config(tmp_path, "unused", trainer=trainer, model={"name": str(tiny_llama)})
+    two_config = tiny_config(tmp_path, "unused", trainer={**trainer, "world_size": 2},
+                             model={"name": str(tiny_llama)}, data_plane={"ray": {"num_cpus": 5}})
+    one = GRPOTrainer(one_config, build_policy(one_config.model, one_config.run.seed))
+    # Rows cut in both ranks' shards (each trains two whole groups of four).
+    groups = truncating(batch(0), cut={0, 3, 9, 14})
+    kept = sum(len(r.logprobs) for g in groups for r in g if not r.truncated)
+    async with TrainerGroup.open(two_config) as two:
+        a = one.step(groups, 1)
+        b = await anyio.to_thread.run_sync(two.step, groups, 1)
+        assert b.tokens == a.tokens == kept < sum(len(r.logprobs) for g in groups for r in g)
+        assert b.loss == pytest.approx(a.loss, abs=1e-5)
+        await anyio.to_thread.run_sync(assert_close, weights_of(one.model), two.live_weights())
