@@ -1,5 +1,11 @@
 """The trainer at world size 2 (two FSDP2 ranks on Ray, gloo) against world size 1 (scd's process).
 
+``trainer_steps_ratio_tis_vs_none``: train steps/s at world size 1 with ``off_policy_correction = "tis"`` ÷
+``"none"`` on the same batches, interleaved pairs, median and spread: at one optimizer step a train step the
+proximal logprobs are the step's own forward, detached, so this is the correction's arithmetic alone.
+``trainer_steps_ratio_mini_batches2_vs_1``: ``trainer.mini_batches = 2`` ÷ 1 (both ``"tis"``): the proximal
+forward without gradients and the second optimizer step.
+
 ``trainer_world2_vs_world1_steps_ratio``: train steps/s at world size 2 ÷ world size 1 on the tiny
 Llama, interleaved (1 2 1 2 ...), the median of the per-pair ratios and their spread.  On a 2-core
 box both ranks share the cores the single trainer had, so this measures the group's overhead
@@ -52,10 +58,10 @@ GROUPS, ROWS, PAIRS, STEPS = 8, 8, 4, 6
 GOALS = {"weight_export_world2_vs_world1_ratio_100m": ("<=", 5.0)}
 
 
-def config(tmp: Path, model: Path, world_size: int, dtype: str = "float32") -> Config:
+def config(tmp: Path, model: Path, world_size: int, dtype: str = "float32", **trainer: object) -> Config:
     return derive_config(REPO / "configs" / "tiny.toml", {"run": {"output_dir": str(tmp)}}, {
         "model": {"name": str(model), "dtype": dtype}, "data_plane": {"ray": {"num_cpus": 5}},
-        "trainer": {"world_size": world_size, "groups_per_step": GROUPS}})
+        "trainer": {"world_size": world_size, "groups_per_step": GROUPS, **trainer}})
 
 
 def batch(seed: int) -> list[list[Rollout]]:
@@ -97,6 +103,31 @@ async def steps_ratio(tmp: Path, model: Path) -> dict[str, float]:
             "trainer_world2_vs_world1_steps_ratio_spread": max(ratios) - min(ratios),
             "trainer_world1_steps_per_s": statistics.median(rates[1]),
             "trainer_world2_steps_per_s": statistics.median(rates[2])}
+
+
+def interleaved_steps_ratio(tmp: Path, model: Path, name: str, base: dict[str, Any],
+                            other: dict[str, Any]) -> dict[str, float]:
+    """World size 1: train steps/s under the trainer keys ``other`` ÷ ``base``, interleaved pairs on the same
+    batches, as ``name`` and ``name_spread`` (blocking)."""
+    trainers = [GRPOTrainer(c, build_policy(c.model, 0)) for c in (config(tmp, model, 1, **base),
+                                                                    config(tmp, model, 1, **other))]
+    for trainer in trainers:  # warm-up: the first step builds the optimizer state
+        trainer.step(batch(0), 0)
+    ratios = []
+    for pair in range(PAIRS):
+        per_s = [STEPS / timed(lambda t=trainer, first=pair * STEPS: [t.step(batch(first + i), 0)
+                                                                       for i in range(STEPS)])
+                 for trainer in trainers]
+        ratios.append(per_s[1] / per_s[0])
+    return {name: statistics.median(ratios), f"{name}_spread": max(ratios) - min(ratios)}
+
+
+def correction_costs(tmp: Path, model: Path) -> dict[str, float]:
+    tis = {"loss": {"off_policy_correction": "tis"}}
+    return {**interleaved_steps_ratio(tmp, model, "trainer_steps_ratio_tis_vs_none",
+                                      {"loss": {"off_policy_correction": "none"}}, tis),
+            **interleaved_steps_ratio(tmp, model, "trainer_steps_ratio_mini_batches2_vs_1", tis,
+                                      {**tis, "mini_batches": 2})}
 
 
 def exports(trainer: GRPOTrainer | TrainerGroup) -> float:
@@ -156,7 +187,8 @@ async def figures(tmp: Path) -> dict[str, float]:
     """Every figure above (Ray must be up with 4 free logical CPUs)."""
     small = init_tiny(tmp / "tiny-llama")
     large = write_tied_llama(tmp / "llama-100m", vocab_size=32_000, hidden_size=768, layers=12, heads=12)
-    return {**await steps_ratio(tmp, small), **await at_100m(tmp, large), **await exports_100m_bf16(tmp, large)}
+    return {**await steps_ratio(tmp, small), **await anyio.to_thread.run_sync(correction_costs, tmp, small),
+            **await at_100m(tmp, large), **await exports_100m_bf16(tmp, large)}
 
 
 async def main() -> None:

@@ -199,6 +199,9 @@ class TrainerConfig(_Section):
     warmup_steps: int = 0
     min_lr_ratio: float = 0.0
     groups_per_step: int = 16
+    # Optimizer steps per train step, each on a disjoint slice of groups_per_step / mini_batches whole groups,
+    # clipped against the weights the train step started from (verl's ppo_mini_batch_size, as a count).
+    mini_batches: int = 1
     # A step whose loss or gradient norm is not finite takes no optimizer step; this many in a row stop the run.
     max_skipped_steps: int = 3
     # The older key for both clips, trainer.loss.clip_low and clip_high; None: not given.
@@ -484,6 +487,7 @@ class Config(_Section):
             "trainer.lr_schedule": self.trainer.lr_schedule,
             "trainer.warmup_steps": self.trainer.warmup_steps,
             "trainer.min_lr_ratio": self.trainer.min_lr_ratio,
+            "trainer.mini_batches": self.trainer.mini_batches,
             **horizon,
             "async_rl.drop_zero_variance_groups": self.async_rl.drop_zero_variance_groups,
         }
@@ -629,7 +633,8 @@ FOREIGN_KEYS: dict[str, tuple[str, str]] = {
                                                                "completions, not completions"),
     "train_batch_size": ("trainer.groups_per_step", "prompts a step trains, each a group of "
                                                     "generation.group_size completions"),
-    "ppo_mini_batch_size": ("trainer.groups_per_step", "scd takes one optimizer step a train step"),
+    "ppo_mini_batch_size": ("trainer.mini_batches", "a count: trainer.groups_per_step / ppo_mini_batch_size "
+                                                    "optimizer steps a train step"),
     "num_train_epochs": ("run.max_steps", _EPOCHS),
     "total_epochs": ("run.max_steps", _EPOCHS),
     "total_training_steps": ("run.max_steps", ""),
@@ -912,6 +917,13 @@ def validate(config: Config) -> None:
     _require(tr.groups_per_step >= tr.world_size, "trainer.groups_per_step",
              f"each of the trainer.world_size = {tr.world_size} ranks trains whole groups: "
              f"needs at least that many groups per step, got {tr.groups_per_step}")
+    _require(tr.mini_batches >= 1 and tr.groups_per_step % tr.mini_batches == 0, "trainer.mini_batches",
+             f"must be >= 1 and divide trainer.groups_per_step = {tr.groups_per_step} (each optimizer step trains "
+             f"as many whole groups), got {tr.mini_batches}")
+    _require(tr.groups_per_step // tr.mini_batches >= tr.world_size, "trainer.mini_batches",
+             f"each of its trainer.groups_per_step / mini_batches = {tr.groups_per_step // tr.mini_batches} "
+             f"groups per optimizer step must reach each of the trainer.world_size = {tr.world_size} ranks, "
+             f"which all take every optimizer step; got {tr.mini_batches}")
     _require(tr.placement_timeout_s > 0, "trainer.placement_timeout_s", "must be > 0")
     _require(all(v > 0 for v in tr.resources_per_rank.values()), "trainer.resources_per_rank",
              f"every amount must be > 0, got {tr.resources_per_rank}")

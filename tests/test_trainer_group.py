@@ -52,13 +52,13 @@ def batch(seed: int, vocab: int = 50) -> list[list[Rollout]]:
     return groups
 
 
-def configs(tmp_path: Path, model: Path) -> tuple:
+def configs(tmp_path: Path, model: Path, mini_batches: int = 1) -> tuple:
     """The HF Llama: scd's tiny transformer has attention key biases, whose gradient is zero but for
     rounding noise, and AdamW scales a gradient of noise up to a step of ``lr`` of either sign at any
     world size.  At lr 1e-3 a weight whose gradient is nearly zero still agrees within 1e-5."""
     # A loss whose normaliser counts completions and whose correction weights tokens: each rank must divide by
     # the whole step's count, not its shard's, to train world size 1's loss.
-    trainer = {"groups_per_step": GROUPS, "entropy_coef": 0.01, "lr": 1e-3,
+    trainer = {"groups_per_step": GROUPS, "mini_batches": mini_batches, "entropy_coef": 0.01, "lr": 1e-3,
                "loss": {"aggregation": "seq_mean_token_mean", "off_policy_correction": "tis"}}
     one = tiny_config(tmp_path, "unused", trainer=trainer, model={"name": str(model)})
     # Activation checkpointing recomputes each layer in backward: the same gradients, less memory.
@@ -132,6 +132,23 @@ async def test_two_ranks_train_exactly_as_one_and_their_state_moves_between_worl
         b = await anyio.to_thread.run_sync(two.step, groups, 1)
         assert b.loss == pytest.approx(a.loss, abs=1e-5)
         await anyio.to_thread.run_sync(assert_close, weights_of(one.model), two.live_weights())
+
+
+async def test_two_ranks_take_world_size_1s_mini_batch_steps(tmp_path: Path, tq_session: None,
+                                                             tiny_llama: Path) -> None:
+    """Two mini-batches of two groups, one group per rank each: every rank takes both optimizer steps, each
+    normalised by its whole mini-batch's count and clipped against the proximal logprobs of the step's start."""
+    one_config, two_config = configs(tmp_path, tiny_llama, mini_batches=2)
+    one = GRPOTrainer(one_config, build_policy(one_config.model, one_config.run.seed))
+    async with TrainerGroup.open(two_config) as two:
+        for step in range(2):
+            groups = batch(step)
+            a = one.step(groups, 1)
+            b = await anyio.to_thread.run_sync(two.step, groups, 1)
+            assert b.tokens == a.tokens
+            for field in ("loss", "clip_fraction", "entropy", "logprob_mismatch_mean"):
+                assert getattr(b, field) == pytest.approx(getattr(a, field), abs=1e-5), field
+            await anyio.to_thread.run_sync(assert_close, weights_of(one.model), two.live_weights())
 
 
 async def test_bf16_ranks_keep_fp32_masters_that_all_move_at_lr_1e_6_and_export_bf16_tied_once(

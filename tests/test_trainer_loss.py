@@ -12,6 +12,7 @@ import torch
 from prometheus_client import REGISTRY
 
 from scd.config import Config, parse_config
+from scd.errors import ConfigError
 from scd.model.policy import build_policy
 from scd.records import Rollout
 from scd.schema import RunIdentity
@@ -159,3 +160,84 @@ def test_the_importance_ratios_and_behaviour_kl_by_staleness_reach_the_result_th
     trainer.step(fresh, weight_version=1)
     assert REGISTRY.get_sample_value("scd_train_is_ratio", {"staleness": "1", "stat": "mean"}) is None
     assert REGISTRY.get_sample_value("scd_train_is_ratio", {"staleness": "0", "stat": "mean"}) > 0
+
+
+def hand_driven_mini_batch_steps(trainer: GRPOTrainer, halves: list[list[list[Rollout]]]) -> list[float]:
+    """PPO-clip by hand, one optimizer step per half: the proximal logprobs of both halves taken before the
+    first update, each half's loss a token mean over its own tokens."""
+    cfg = trainer.cfg
+    batches = [padded_rows([r for g in half for r in g], trainer.policy.pad_id) for half in halves]
+    with torch.no_grad():
+        proximal = [trainer.completion_token_logprobs(tokens, mask)[0] for tokens, _, mask in batches]
+    losses = []
+    for half, (tokens, _, mask), before in zip(halves, batches, proximal, strict=True):
+        advantages = todays_advantages(half, cfg.advantage_eps).unsqueeze(1)
+        current, _ = trainer.completion_token_logprobs(tokens, mask)
+        ratio = torch.exp(current - before)
+        token_loss = -torch.minimum(ratio * advantages, ratio.clamp(0.8, 1.2) * advantages)
+        loss = (token_loss * mask).sum() / mask.sum()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(trainer.model.parameters(), cfg.max_grad_norm)
+        trainer.optimizer.step()
+        trainer.optimizer.zero_grad(set_to_none=True)
+        losses.append(float(loss.detach()))
+    return losses
+
+
+def test_two_mini_batches_are_two_optimizer_steps_on_the_halves_clipped_against_the_pre_step_policy(
+        tmp_path: Path) -> None:
+    config = parse_config({"run": {"output_dir": str(tmp_path)}, "generation": {"max_new_tokens": MAX_NEW_TOKENS},
+                           "trainer": {"lr": 1e-2, "groups_per_step": 4, "mini_batches": 2}}, tmp_path)
+    ours, by_hand, one_step = trainer_for(config), trainer_for(config), trainer_for(config_for(tmp_path))
+    groups = fixed_batch(by_hand, 0) + fixed_batch(by_hand, 1)[:1]
+    result = ours.step(groups, weight_version=1)
+    one_step.step(groups, weight_version=1)
+    losses = hand_driven_mini_batch_steps(by_hand, [groups[:2], groups[2:]])
+    # The step's loss is the mean of its mini-batches' losses, each a step of its own.
+    assert result.loss == pytest.approx(sum(losses) / 2, rel=1e-5)
+    assert result.tokens == sum(len(r.logprobs) for g in groups for r in g)
+    # Both optimizer steps at the train step's rate, and its weights are two steps', not one.
+    assert result.lr == config.trainer.lr
+    moved = False
+    for (name, p), q, once in zip(ours.model.named_parameters(), by_hand.model.parameters(),
+                                  one_step.model.parameters(), strict=True):
+        assert torch.allclose(p, q, rtol=1e-5, atol=1e-7), name
+        moved = moved or not torch.allclose(p, once, rtol=1e-4, atol=1e-6)
+    assert moved
+
+
+@pytest.mark.parametrize(("mini_batches", "correction", "forwards"), [
+    (1, "none", 1),  # today's step: the proximal logprobs are the current ones detached, or not needed
+    (1, "tis", 1),
+    (2, "none", 4),  # a proximal pass per mini-batch before the first update, then one forward each
+    (2, "tis", 4),
+])
+def test_the_proximal_pass_runs_only_for_later_mini_batches(tmp_path: Path, mini_batches: int, correction: str,
+                                                            forwards: int) -> None:
+    config = parse_config({"run": {"output_dir": str(tmp_path)}, "generation": {"max_new_tokens": MAX_NEW_TOKENS},
+                           "trainer": {"groups_per_step": 4, "mini_batches": mini_batches,
+                                       "loss": {"off_policy_correction": correction}}}, tmp_path)
+    trainer = trainer_for(config)
+    groups = fixed_batch(trainer, 0) + fixed_batch(trainer, 1)[:1]
+    calls: list[int] = []
+    trainer.policy.decoder_layers(trainer.model)[0].register_forward_hook(lambda *_: calls.append(1))
+    trainer.step(groups, weight_version=1)
+    assert len(calls) == forwards
+
+
+@pytest.mark.parametrize(("trainer", "culprit"), [
+    ({"groups_per_step": 16, "mini_batches": 3}, "divide trainer.groups_per_step = 16"),
+    ({"mini_batches": 0}, "must be >= 1"),
+    ({"groups_per_step": 4, "mini_batches": 4, "world_size": 2}, "trainer.world_size = 2 ranks"),
+])
+def test_mini_batches_must_split_the_step_into_whole_groups_for_every_rank(
+        tmp_path: Path, trainer: dict[str, object], culprit: str) -> None:
+    with pytest.raises(ConfigError, match=r"trainer\.mini_batches") as raised:
+        parse_config({"run": {"output_dir": str(tmp_path)}, "trainer": trainer}, tmp_path)
+    assert culprit in str(raised.value)
+
+
+def test_a_changed_mini_batches_is_a_training_change(tmp_path: Path) -> None:
+    config = parse_config({"run": {"output_dir": str(tmp_path)}, "trainer": {"mini_batches": 2}}, tmp_path)
+    assert config.training_settings()["trainer.mini_batches"] == 2
+    assert config.training_changes(Config().training_settings()) == {"trainer.mini_batches": (1, 2)}

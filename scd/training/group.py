@@ -42,7 +42,7 @@ from scd.model.weights import ChunkedWeights, WeightEntry
 from scd.records import Rollout
 from scd.telemetry import metrics
 from scd.training.base import StepResult, Trainer, TrainerStatistics
-from scd.training.grpo import GRPOTrainer, SkippedSteps, combine, publish, step_size
+from scd.training.grpo import GRPOTrainer, SkippedSteps, combine, publish, split_mini_batches, step_size
 from scd.training.loss import StepSize
 
 if TYPE_CHECKING:
@@ -171,8 +171,8 @@ def rank_actor() -> Any:
                 entries.append(WeightEntry(name, str(dtype).removeprefix("torch."), tuple(tensor.shape)))
             return entries
 
-        def train(self, groups: list[list[Rollout]], weight_version: int, size: StepSize) -> Any:
-            return self.trainer.train_share(groups, weight_version, size)
+        def train(self, slices: list[list[list[Rollout]]], weight_version: int, sizes: list[StepSize]) -> Any:
+            return self.trainer.train_mini_batches(slices, weight_version, sizes)
 
         def gather(self, names: list[str]) -> Any:
             import torch
@@ -288,10 +288,12 @@ class TrainerGroup:
     # ---- the trainer interface ------------------------------------------------------------------
 
     def step(self, groups: Sequence[Sequence[Rollout]], weight_version: int) -> StepResult:
-        size = step_size(self.config, groups)
-        shares = self.wait_all([rank.train.remote(shard, weight_version, size)
-                                for rank, shard in zip(self.ranks, shard_groups(groups, len(self.ranks)),
-                                                       strict=True)], "training a step")
+        # Each mini-batch's whole groups round robin over the ranks, so every rank takes every optimizer step.
+        slices = split_mini_batches(groups, self.config.trainer.mini_batches)
+        sizes = [step_size(self.config, s) for s in slices]
+        shards = [shard_groups(s, len(self.ranks)) for s in slices]
+        shares = self.wait_all([rank.train.remote([shard[i] for shard in shards], weight_version, sizes)
+                                for i, rank in enumerate(self.ranks)], "training a step")
         result = combine(shares, [r.reward for g in groups for r in g])
         publish(result)
         self._skipped_steps.after(result, groups, weight_version)

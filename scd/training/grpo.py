@@ -34,14 +34,19 @@ from scd.training.schedule import lr_factor
 log = logging.getLogger(__name__)
 
 
-def combine(shares: Sequence[StepShare], rewards: Sequence[float]) -> StepResult:
-    """The step's result from every rank's share (one share at world size 1)."""
-    tokens = sum(s.tokens for s in shares)
-    on_policy = sum(s.mismatch_tokens for s in shares)
+def ratios_by_staleness(shares: Sequence[StepShare]) -> dict[int, RatioSums]:
+    """The shares' token statistics added up by staleness."""
     by_staleness: dict[int, RatioSums] = {}
     for share in shares:
         for lag, sums in share.ratios.items():
             by_staleness[lag] = by_staleness[lag] + sums if lag in by_staleness else sums
+    return dict(sorted(by_staleness.items()))
+
+
+def combine(shares: Sequence[StepShare], rewards: Sequence[float]) -> StepResult:
+    """The step's result from every rank's share (one share at world size 1)."""
+    tokens = sum(s.tokens for s in shares)
+    on_policy = sum(s.mismatch_tokens for s in shares)
     return StepResult(
         loss=sum(s.loss for s in shares), reward_mean=sum(rewards) / len(rewards),
         clip_fraction=sum(s.clipped_tokens for s in shares) / tokens,
@@ -50,7 +55,7 @@ def combine(shares: Sequence[StepShare], rewards: Sequence[float]) -> StepResult
         logprob_mismatch_max=max(s.mismatch_max for s in shares if s.mismatch_tokens) if on_policy else None,
         logprob_mismatch_tokens=on_policy,
         slowest_rank_s=max(s.seconds for s in shares), fastest_rank_s=min(s.seconds for s in shares),
-        is_ratio=dict(sorted(by_staleness.items())),
+        is_ratio=ratios_by_staleness(shares),
         skipped=next((s.skipped for s in shares if s.skipped), None), lr=shares[0].lr,
     )
 
@@ -189,6 +194,26 @@ def step_size(config: Config, groups: Sequence[Sequence[Rollout]]) -> StepSize:
     return StepSize.of([len(r.logprobs) for r in rows], [r.truncated for r in rows],
                        LossSettings.of(config.trainer.loss),
                        config.generation.max_new_tokens)
+
+
+def split_mini_batches(groups: Sequence[Sequence[Rollout]], count: int) -> list[list[Sequence[Rollout]]]:
+    """The step's groups as ``count`` disjoint slices of consecutive whole groups, one per optimizer step
+    (the config checks that ``count`` divides them)."""
+    size = len(groups) // count
+    return [list(groups[i * size:(i + 1) * size]) for i in range(count)]
+
+
+def merged(shares: Sequence[StepShare]) -> StepShare:
+    """One train step's share from those of its mini-batches: sums added, its loss their mean (each mini-batch
+    normalised as a step of its own), skipped if any of its optimizer steps was."""
+    return StepShare(
+        loss=sum(s.loss for s in shares) / len(shares), tokens=sum(s.tokens for s in shares),
+        clipped_tokens=sum(s.clipped_tokens for s in shares), entropy_sum=sum(s.entropy_sum for s in shares),
+        mismatch_sum=sum(s.mismatch_sum for s in shares), mismatch_max=max(s.mismatch_max for s in shares),
+        mismatch_tokens=sum(s.mismatch_tokens for s in shares), seconds=sum(s.seconds for s in shares),
+        ratios=ratios_by_staleness(shares), skipped=next((s.skipped for s in shares if s.skipped), None),
+        lr=shares[0].lr,
+    )
 
 
 def padded_rows(rows: Sequence[Rollout], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -374,7 +399,8 @@ class GRPOTrainer:
 
     def step(self, groups: Sequence[Sequence[Rollout]], weight_version: int) -> StepResult:
         """One optimisation step on ``groups`` with the weights of ``weight_version``; blocking (worker thread)."""
-        share = self.train_share(groups, weight_version, step_size(self.config, groups))
+        slices = split_mini_batches(groups, self.cfg.mini_batches)
+        share = self.train_mini_batches(slices, weight_version, [step_size(self.config, s) for s in slices])
         result = combine([share], [r.reward for g in groups for r in g])
         publish(result)
         self.skipped_steps.after(result, groups, weight_version)
@@ -400,15 +426,44 @@ class GRPOTrainer:
         zeros = torch.zeros(mask.shape, dtype=chosen.dtype, device=mask.device)
         return zeros.masked_scatter(at, chosen), zeros.masked_scatter(at, entropy)
 
-    def train_share(self, groups: Sequence[Sequence[Rollout]], weight_version: int, size: StepSize) -> StepShare:
-        """This rank's part of one step: the loss over its ``groups`` divided by the whole step's ``size`` (on
-        every rank), so that gradients summed over ranks are world size 1's gradient.
+    def train_mini_batches(self, slices: Sequence[Sequence[Sequence[Rollout]]], weight_version: int,
+                           sizes: Sequence[StepSize]) -> StepShare:
+        """This rank's part of one train step of ``trainer.mini_batches`` optimizer steps: ``slices[m]`` its
+        groups of mini-batch m, ``sizes[m]`` that whole mini-batch's size over every rank.
+
+        Each mini-batch is normalised as a step of its own (verl's ppo_mini_batch: its loss is its own token
+        mean, or its own aggregation's), and clipped against the proximal logprobs: the weights the train step
+        started from, computed for every row without gradients before the first update, so a later
+        mini-batch's trust region is the pre-step policy's, not the one the earlier mini-batches moved to.
+        Every optimizer step has the train step's learning rate (the schedule counts train steps) and is
+        skipped on its own when its loss or gradient norm is not finite, the others applying; the train step
+        reports a skip if any was.  One mini-batch is ``train_share`` as it always was: no extra forward."""
+        if len(slices) == 1:
+            return self.train_share(slices[0], weight_version, sizes[0])
+        proximal = [self.proximal_logprobs(groups) for groups in slices]
+        return merged([self.train_share(groups, weight_version, size, proximal=before)
+                       for groups, size, before in zip(slices, sizes, proximal, strict=True)])
+
+    def proximal_logprobs(self, groups: Sequence[Sequence[Rollout]]) -> torch.Tensor:
+        """The logprobs of the rows of ``groups`` under the current weights, without gradients, laid out as
+        ``train_share`` lays out those rows."""
+        tokens, _, mask = (t.to(self.device) for t in padded_rows([r for g in groups for r in g],
+                                                                   self.policy.pad_id))
+        self.model.train()
+        with torch.no_grad(), self.computing():
+            return self.completion_token_logprobs(tokens, mask)[0]
+
+    def train_share(self, groups: Sequence[Sequence[Rollout]], weight_version: int, size: StepSize, *,
+                    proximal: torch.Tensor | None = None) -> StepShare:
+        """This rank's part of one optimizer step: the loss over its ``groups`` divided by the whole step's
+        ``size`` (on every rank), so that gradients summed over ranks are world size 1's gradient.
 
         Of scd.training.loss's three logprobs, the behaviour ones are the rollouts' (the engine's) and the
-        current ones this forward's.  The proximal ones, the weights' the step starts from, are the current ones
-        detached: a train step takes one optimizer step, so its pre-update policy is the policy of this very
-        forward, and no extra forward is needed.  Without an off-policy correction the clip anchors to the
-        behaviour logprobs, the loss scd always trained."""
+        current ones this forward's.  The proximal ones, the weights' the train step starts from, are
+        ``proximal`` when given (``train_mini_batches``), otherwise the current ones detached: at one optimizer
+        step per train step the pre-update policy is the policy of this very forward, and no extra forward is
+        needed.  Without an off-policy correction or a given ``proximal`` the clip anchors to the behaviour
+        logprobs, the loss scd always trained."""
         started = time.perf_counter()
         rows = [row for group in groups for row in group]
         settings = self.loss
@@ -418,7 +473,8 @@ class GRPOTrainer:
         self.model.train()
         with self.computing():
             current, token_entropy = self.completion_token_logprobs(tokens, mask)
-        proximal = None if settings.off_policy_correction == "none" else current.detach()
+        if proximal is None and settings.off_policy_correction != "none":
+            proximal = current.detach()
         # Measured on every step (a logged 0 would read as a collapsed policy); in the loss only with a bonus.
         out = policy_loss(current, behaviour, advantages, mask, size, settings, proximal=proximal,
                           truncated=torch.tensor([r.truncated for r in rows], device=self.device),
@@ -444,7 +500,8 @@ class GRPOTrainer:
         with torch.no_grad():
             on_policy = torch.tensor([r.weight_version == weight_version and r.single_version for r in rows],
                                      device=self.device)
-            gap = ((current - behaviour).abs() * mask)[on_policy]
+            # Against the weights the train step started from: a later mini-batch's current ones have moved.
+            gap = (((current if proximal is None else proximal) - behaviour).abs() * mask)[on_policy]
             on_policy_tokens = int(mask[on_policy].sum())
         # Staleness: how many versions the weights that drew a row are behind the ones trained.
         lags = [weight_version - r.weight_version for r in rows]
