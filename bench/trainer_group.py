@@ -4,7 +4,7 @@
 ``"none"`` on the same batches, interleaved pairs, median and spread: at one optimizer step a train step the
 proximal logprobs are the step's own forward, detached, so this is the correction's arithmetic alone.
 ``trainer_steps_ratio_mini_batches2_vs_1``: ``trainer.mini_batches = 2`` ÷ 1 (both ``"tis"``): the proximal
-forward without gradients and the second optimizer step.
+forward without gradients over the second mini-batch's rows and the second optimizer step.
 
 ``trainer_world2_vs_world1_steps_ratio``: train steps/s at world size 2 ÷ world size 1 on the tiny
 Llama, interleaved (1 2 1 2 ...), the median of the per-pair ratios and their spread.  On a 2-core

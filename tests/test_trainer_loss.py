@@ -209,8 +209,9 @@ def test_two_mini_batches_are_two_optimizer_steps_on_the_halves_clipped_against_
 @pytest.mark.parametrize(("mini_batches", "correction", "forwards"), [
     (1, "none", 1),  # today's step: the proximal logprobs are the current ones detached, or not needed
     (1, "tis", 1),
-    (2, "none", 4),  # a proximal pass per mini-batch before the first update, then one forward each
-    (2, "tis", 4),
+    (2, "none", 3),  # the second mini-batch's proximal pass before the first update, then one forward each
+    (2, "tis", 3),
+    (4, "none", 7),
 ])
 def test_the_proximal_pass_runs_only_for_later_mini_batches(tmp_path: Path, mini_batches: int, correction: str,
                                                             forwards: int) -> None:

@@ -434,15 +434,18 @@ class GRPOTrainer:
         Each mini-batch is normalised as a step of its own (verl's ppo_mini_batch: its loss is its own token
         mean, or its own aggregation's), and clipped against the proximal logprobs: the weights the train step
         started from, computed for every row without gradients before the first update, so a later
-        mini-batch's trust region is the pre-step policy's, not the one the earlier mini-batches moved to.
+        mini-batch's trust region is the pre-step policy's, not the one the earlier mini-batches moved to (the
+        first mini-batch's are its own forward, detached, as at one mini-batch: the extra forward covers the
+        later ones' rows only).
         Every optimizer step has the train step's learning rate (the schedule counts train steps) and is
         skipped on its own when its loss or gradient norm is not finite, the others applying; the train step
         reports a skip if any was.  One mini-batch is ``train_share`` as it always was: no extra forward."""
         if len(slices) == 1:
             return self.train_share(slices[0], weight_version, sizes[0])
-        proximal = [self.proximal_logprobs(groups) for groups in slices]
-        return merged([self.train_share(groups, weight_version, size, proximal=before)
-                       for groups, size, before in zip(slices, sizes, proximal, strict=True)])
+        later = [self.proximal_logprobs(groups) for groups in slices[1:]]
+        return merged([self.train_share(slices[0], weight_version, sizes[0], clip_to_proximal=True),
+                       *(self.train_share(groups, weight_version, size, proximal=before)
+                         for groups, size, before in zip(slices[1:], sizes[1:], later, strict=True))])
 
     def proximal_logprobs(self, groups: Sequence[Sequence[Rollout]]) -> torch.Tensor:
         """The logprobs of the rows of ``groups`` under the current weights, without gradients, laid out as
@@ -454,16 +457,16 @@ class GRPOTrainer:
             return self.completion_token_logprobs(tokens, mask)[0]
 
     def train_share(self, groups: Sequence[Sequence[Rollout]], weight_version: int, size: StepSize, *,
-                    proximal: torch.Tensor | None = None) -> StepShare:
+                    proximal: torch.Tensor | None = None, clip_to_proximal: bool = False) -> StepShare:
         """This rank's part of one optimizer step: the loss over its ``groups`` divided by the whole step's
         ``size`` (on every rank), so that gradients summed over ranks are world size 1's gradient.
 
         Of scd.training.loss's three logprobs, the behaviour ones are the rollouts' (the engine's) and the
         current ones this forward's.  The proximal ones, the weights' the train step starts from, are
-        ``proximal`` when given (``train_mini_batches``), otherwise the current ones detached: at one optimizer
-        step per train step the pre-update policy is the policy of this very forward, and no extra forward is
-        needed.  Without an off-policy correction or a given ``proximal`` the clip anchors to the behaviour
-        logprobs, the loss scd always trained."""
+        ``proximal`` when given (a later mini-batch's, ``train_mini_batches``), otherwise the current ones
+        detached: before the train step's first optimizer step the pre-update policy is the policy of this very
+        forward, and no extra forward is needed.  Without an off-policy correction, a given ``proximal`` or
+        ``clip_to_proximal`` the clip anchors to the behaviour logprobs, the loss scd always trained."""
         started = time.perf_counter()
         rows = [row for group in groups for row in group]
         settings = self.loss
@@ -473,7 +476,7 @@ class GRPOTrainer:
         self.model.train()
         with self.computing():
             current, token_entropy = self.completion_token_logprobs(tokens, mask)
-        if proximal is None and settings.off_policy_correction != "none":
+        if proximal is None and (clip_to_proximal or settings.off_policy_correction != "none"):
             proximal = current.detach()
         # Measured on every step (a logged 0 would read as a collapsed policy); in the loss only with a bonus.
         out = policy_loss(current, behaviour, advantages, mask, size, settings, proximal=proximal,
