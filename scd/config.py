@@ -627,6 +627,7 @@ FOREIGN_KEYS: dict[str, tuple[str, str]] = {
                                               '= false)'),
     "norm_adv_by_std_in_grpo": ("trainer.loss.normalize_advantage_std", ""),
     "scale_rewards": ("trainer.loss.normalize_advantage_std", "false for Dr. GRPO"),
+    "mask_truncated_completions": ("trainer.loss.mask_truncated", ""),
     "entropy_coeff": ("trainer.entropy_coef", ""),
     "grad_clip": ("trainer.max_grad_norm", ""),
     "per_device_train_batch_size": ("trainer.groups_per_step", "it counts groups of generation.group_size "

@@ -200,6 +200,8 @@ def test_an_unknown_key_suggests_the_nearest_known_one(tmp_path: Path, text: str
     ("[trainer]\nepsilon = 0.2\n", "trainer.epsilon", "; scd's key is 'trainer.clip_eps'"),
     ("[trainer]\nepsilon_high = 0.28\n", "trainer.epsilon_high", "; scd's key is 'trainer.loss.clip_high'"),
     ("[trainer]\nloss_type = 'dr_grpo'\n", "trainer.loss_type", "; scd's key is 'trainer.loss.aggregation' (dapo"),
+    ("[trainer]\nmask_truncated_completions = true\n", "trainer.mask_truncated_completions",
+     "; scd's key is 'trainer.loss.mask_truncated'"),
     ("[trainer]\nper_device_train_batch_size = 8\n", "trainer.per_device_train_batch_size",
      "; scd's key is 'trainer.groups_per_step' (it counts groups of generation.group_size completions"),
     ("[trainer]\nnum_train_epochs = 3\n", "trainer.num_train_epochs", "; scd's key is 'run.max_steps' (scd counts "
