@@ -8,6 +8,7 @@ restores it into a fresh controller.
 from __future__ import annotations
 
 import errno
+import hashlib
 import shutil
 import subprocess
 import threading
@@ -17,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import msgspec
 import orjson
 import pytest
 import pytest_asyncio
@@ -124,6 +126,35 @@ async def test_restore_gives_back_every_row_tensor_for_tensor(golden: dict[str, 
         assert torch.equal(logprobs, before[sid][1])
     assert len(ready) == golden["groups"]
     assert [layout.step_of(b) for b in layout.finalized_bundles(root)] == [3, 6, 8]
+
+
+async def test_a_bundle_from_before_the_truncated_flags_restores_and_its_rows_read_as_not_truncated(
+        golden: dict[str, Any], tmp_path: Path) -> None:
+    """GroupMeta.truncated (trainer.loss.mask_truncated's flags) is in every group a bundle records; a bundle
+    written before it has no such key, and its replay digest is over each group's JSON without it."""
+    root = copy_bundles(golden, tmp_path)
+    bundle = newest(root)
+    group_size = tiny_config(tmp_path, PARTITION).generation.group_size
+
+    def as_before_the_flags(sidecar: dict[str, Any]) -> None:
+        assert all(len(g.pop("truncated")) == group_size for g in sidecar["groups"])
+        digest = hashlib.sha256()
+        for group in sorted(sidecar["groups"], key=lambda g: g["group_id"]):
+            digest.update(hashlib.sha256(msgspec.json.encode(group, order="sorted")).digest())
+        sidecar["replay_digest"] = digest.hexdigest()
+        info = orjson.loads((bundle / layout.TRAINING_INFO_FILE).read_bytes())
+        info["replay_digest"] = digest.hexdigest()
+        (bundle / layout.TRAINING_INFO_FILE).write_bytes(orjson.dumps(info))
+    edit_json(bundle, layout.SIDECAR_FILE, as_before_the_flags)
+    config = config_for(root, async_rl={"sampler": {"name": "windowed", "max_staleness_versions": 100}})
+    await clear_partition(PARTITION)
+    async with Controller.open(config) as controller:
+        await controller.restore(allow_config_change=True)
+        groups = list(controller.state.replay.groups())
+        rows = [r for group in await controller.read_batch(groups) for r in group]
+        await controller.dataplane.clear_all()
+    assert len(groups) == golden["groups"] > 0 and all(g.truncated == () for g in groups)
+    assert len(rows) == golden["groups"] * group_size and not any(r.truncated for r in rows)
 
 
 async def test_restore_reads_and_hashes_the_bundle_while_the_event_loop_goes_on(
