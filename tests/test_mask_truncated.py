@@ -18,8 +18,10 @@ import torch
 from scd.checkpoint.verify import check_group
 from scd.config import parse_config
 from scd.daemon import Controller
+from scd.generation.base import GroupRequest
+from scd.generation.synthetic_backend import SyntheticBackend
 from scd.model.policy import build_policy
-from scd.records import Rollout
+from scd.records import Completion, FinishReason, Rollout
 from scd.replay import GroupMeta, group_hash, rollouts_of
 from scd.training.group import TrainerGroup
 from scd.training.grpo import GRPOTrainer, padded_rows, step_size
@@ -36,6 +38,23 @@ def test_the_flag_is_a_config_key_default_false_and_recorded_with_the_training_s
     masked = parse_config({"trainer": {"loss": {"mask_truncated": True}}}, tmp_path)
     assert masked.training_settings()["trainer.loss.mask_truncated"] is True
     assert masked.training_changes(default.training_settings()) == {"trainer.loss.mask_truncated": (False, True)}
+
+
+async def test_the_synthetic_engine_reports_a_completion_at_its_budget_truncated_and_a_shorter_one_not(
+        tmp_path: Path) -> None:
+    config = parse_config({"generation": {"backend": "synthetic", "max_new_tokens": 4, "group_size": 16, "synthetic": {
+        "tokens_per_s": 1e6, "min_completion_tokens": 1, "max_completion_tokens": 4}}}, tmp_path)
+    backend = SyntheticBackend(config)
+    request = GroupRequest("e0-p0", 0, 0, (5, 6, 7), tuple(range(16)), 4, None, 0.0)
+
+    def ignore(request: GroupRequest, index: int, completion: Completion) -> None:
+        return None
+
+    # Lengths drawn from 1..4 by the engine's generator seeded from run.seed: the same 16 every run, both kinds.
+    [result] = await backend.generate([request], ignore)
+    for c in result.completions:
+        assert c.truncated is (len(c.token_ids) == 4) is (c.finish_reason is FinishReason.LENGTH)
+    assert {c.truncated for c in result.completions} == {True, False}
 
 
 def truncating(groups: list[list[Rollout]], cut: set[int]) -> list[list[Rollout]]:
