@@ -279,6 +279,27 @@ THROUGHPUT = Section(
             lambda s: f"{ratio(s['trainer_world2_vs_world1_steps_ratio'])}, spread "
             f"{num(s['trainer_world2_vs_world1_steps_ratio_spread'])} ({num(s['trainer_world2_steps_per_s'])} vs "
             f"{num(s['trainer_world1_steps_per_s'])} steps/s)"),
+        Row("`trainer_steps_ratio_tis_vs_none`, `trainer_steps_ratio_mini_batches2_vs_1`", "`python -m "
+            "bench.trainer_group`: world size 1, the tiny Llama, 8 × 8 rows a step, interleaved pairs: "
+            "`off_policy_correction = \"tis\"` ÷ `\"none\"` (one mini-batch: the proximal logprobs are this "
+            "forward's, no extra pass), and `trainer.mini_batches = 2` ÷ 1 (a no-grad forward over the second "
+            "mini-batch's rows and a second optimizer step)",
+            lambda s: f"{ratio(s['trainer_steps_ratio_tis_vs_none'])}, spread "
+            f"{num(s['trainer_steps_ratio_tis_vs_none_spread'])}; "
+            f"{ratio(s['trainer_steps_ratio_mini_batches2_vs_1'])}, "
+            f"spread {num(s['trainer_steps_ratio_mini_batches2_vs_1_spread'])}"),
+        Row("`trainer_load_peak_rss_ratio_world2`", "two spawned gloo ranks load a 107M-parameter tied Llama "
+            "from safetensors: the model on the meta device, sharded, each rank reading only its rows "
+            "(`sharding.fill_shards`); the peak RSS a rank adds ÷ its share of the model's bytes (the most of "
+            "the two ranks). Beside it: rank 0 reading and broadcasting (`_broadcast`), and the whole trainer's "
+            "construction (`_trainer`: its output-head check's first forward keeps what FSDP gathered, as a "
+            "first train step would)",
+            lambda s: f"{num(s['trainer_load_peak_rss_ratio_world2'])} (largest tensor "
+            f"{num(s['trainer_load_largest_tensor_ratio_world2'])} of a share; "
+            f"{num(s['trainer_load_s_world2'])} s); "
+            f"broadcast {num(s['trainer_load_peak_rss_ratio_world2_broadcast'])}; "
+            f"trainer {num(s['trainer_load_peak_rss_ratio_world2_trainer'])}",
+            "trainer_load_peak_rss_ratio_world2"),
         Row("`weight_export_world2_vs_world1_ratio_100m`, `weight_export_ms_100m_world1`, `_world2`, `..._bf16`",
             "a 95M-parameter tied Llama: every tensor of a sync read into a host buffer; world size 2 gathers each "
             "decoder layer on rank 0, each rank casting its shards to `model.dtype` first; `_bf16`: "

@@ -245,7 +245,9 @@ async def snapshot_and_restore(tmp: Path, groups: int = 10_000, tokens: int = 10
                                     fields=fields)
     tq.save_checkpoint(naive_dir)
     naive_bytes = layout.dir_bytes(naive_dir)
-    await clear("bench-naive")
+    # Its keys are no scd keys (a DataPlane's clear would take them for staged siblings of another partition):
+    # left behind, they made the next module's restore refuse a TQ holding partitions not its own.
+    await tq.async_kv_clear([f"n{g}/{s}" for g in range(groups // 8) for s in range(group_size)], "bench-naive")
     return {
         "snapshot_rows": rows,
         "snapshot_bytes_ratio": snapshot_bytes / payload,
